@@ -1,0 +1,141 @@
+"""The torch attention backend: the reference every kernel is tested against, and the CPU path.
+
+Flat mixed batch, B sequences, T tokens in all. Sequence i owns query tokens
+[query_start_loc[i], query_start_loc[i + 1]) and attends to its first seq_lens[i] tokens,
+read from the paged cache through block_table[i]:
+
+    positions:  0 .............. context_len ........ seq_len
+                |<- cached context ->|<- query_len new ->|
+    query j (0 <= j < query_len) sees keys [0, context_len + j]   (causal inside the chunk)
+
+A decode is a query of length 1. GQA: query head h reads KV head h // (H / Hkv).
+
+KV cache, per layer: [2, num_blocks, block_size, Hkv, D]; token at position p of a sequence
+lives in block block_table[i, p // block_size] at offset p % block_size, i.e. at the flat
+slot block * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, Hkv, D] at flat slots [T] of kv_cache; negative slots are skipped."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+@dataclass
+class AttentionPlan:
+    """Per-step index work shared by every layer (built once per step)."""
+
+    # Decodes (query_len == 1), attended in one batched call.
+    decode_tokens: torch.Tensor  # [Bd] token indices in the flat batch
+    decode_blocks: torch.Tensor  # [Bd, nb] block ids (0-padded)
+    decode_mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] True = attend
+    # Prefill chunks (query_len > 1), one call each: (token_start, token_end, seq_len, blocks)
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]
+
+
+def plan_attention(
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+) -> AttentionPlan:
+    device = block_table.device
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decode_rows = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+    prefills = []
+    for i in range(len(lens)):
+        qlen = qsl[i + 1] - qsl[i]
+        if qlen > 1:
+            seq_len = lens[i]
+            nb = -(-seq_len // block_size)
+            ctx = seq_len - qlen
+            # mask[j, k]: query j (position ctx + j) sees key k <= ctx + j
+            mask = torch.arange(nb * block_size, device=device)[None, :] <= (
+                ctx + torch.arange(qlen, device=device)[:, None]
+            )
+            prefills.append((qsl[i], qsl[i + 1], seq_len, block_table[i, :nb], mask))
+    if decode_rows:
+        rows = torch.tensor(decode_rows, device=device)
+        dec_lens = seq_lens[rows]
+        nb = -(-max(lens[i] for i in decode_rows) // block_size)
+        decode_blocks = block_table[rows, :nb]
+        decode_mask = (
+            torch.arange(nb * block_size, device=device)[None, :] < dec_lens[:, None]
+        )[:, None, None, :]
+        decode_tokens = query_start_loc[rows].long()
+    else:
+        decode_blocks = torch.empty(0, 0, dtype=block_table.dtype, device=device)
+        decode_mask = torch.empty(0, 1, 1, 0, dtype=torch.bool, device=device)
+        decode_tokens = torch.empty(0, dtype=torch.long, device=device)
+    return AttentionPlan(decode_tokens, decode_blocks, decode_mask, prefills)
+
+
+def attend(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of query [T, H, D] over the paged cache, following a plan."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if plan.decode_tokens.numel():
+        bd = plan.decode_tokens.shape[0]
+        # [Bd, Hkv, G, D]: the G query heads of a KV group act as G query rows.
+        q = query[plan.decode_tokens].view(bd, num_kv_heads, group, head_dim)
+        k = key_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)  # [Bd, Hkv, L, D]
+        v = value_cache[plan.decode_blocks].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
+        )
+        out[plan.decode_tokens] = o.reshape(bd, num_heads, head_dim)
+    for start, end, _seq_len, blocks, mask in plan.prefills:
+        qlen = end - start
+        # [Hkv, Q*G, D], rows ordered (query, group member)
+        q = query[start:end].view(qlen, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
+        q = q.reshape(num_kv_heads, qlen * group, head_dim)
+        k = key_cache[blocks].flatten(0, 1).transpose(0, 1)  # [Hkv, L, D]
+        v = value_cache[blocks].flatten(0, 1).transpose(0, 1)
+        m = mask.repeat_interleave(group, dim=0) if group > 1 else mask
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=m, scale=scale
+        )
+        out[start:end] = o.view(num_kv_heads, qlen, group, head_dim).permute(1, 0, 2, 3).reshape(
+            qlen, num_heads, head_dim
+        )
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of query [T, H, D] over the paged cache (see the module docstring)."""
+    block_size = kv_cache.shape[2]
+    plan = plan_attention(block_table, query_start_loc, seq_lens, block_size)
+    return attend(query, kv_cache, plan, scale)

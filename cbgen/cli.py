@@ -1,0 +1,46 @@
+"""The cbgen command line: `cbgen run` (files in, Parquet out), `cbgen bench`, `cbgen info`."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+app = typer.Typer(
+    name="cbgen",
+    help="Offline batch generation: continuous batching over a paged KV cache, from a shell.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    from cbgen.bench.command import bench
+    from cbgen.run_command import run
+
+    app.command(name="run")(run)
+    app.command(name="bench")(bench)
+
+
+@app.command()
+def info() -> None:
+    """Show the version, torch build, devices and the default model's location."""
+    import torch
+
+    from cbgen import __version__
+    from cbgen.models.loader import ModelNotFoundError, default_model_path
+
+    typer.echo(f"cbgen {__version__}, torch {torch.__version__}")
+    typer.echo(f"cuda: {torch.cuda.is_available()}, cpu threads: {torch.get_num_threads()}")
+    try:
+        typer.echo(f"default model: {default_model_path()}")
+    except ModelNotFoundError as e:
+        typer.echo(f"default model: {e}")
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _register()
+    app()

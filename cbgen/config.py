@@ -1,0 +1,237 @@
+"""EngineConfig and SamplingParams: plain dataclasses, validated once, with `ValueError`.
+
+What is discovered at run time (number of KV blocks, EOS id, the resolved device) lives in
+the engine, not here: a config says what the user asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+AttentionBackendName = Literal["auto", "torch", "triton", "flash"]
+LoadFormat = Literal["auto", "dummy"]
+SchedulingPolicy = Literal["continuous", "static"]
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option, with its default. CLI options map one to one onto these fields."""
+
+    model: str | None = None
+    """Local Hugging Face folder, GGUF file, built-in shape name (with load_format='dummy'),
+    or None for the default SmolLM2-135M-Instruct."""
+    max_num_seqs: int = 64
+    """Slots: the most requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so decodes keep flowing."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    kv_cache_memory: int | None = None
+    """KV cache size in bytes. None: on the CPU a quarter of available memory, at most 4 GiB;
+    on CUDA sized from gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights, activations and KV cache)."""
+    max_model_len: int | None = None
+    """Longest prompt + output. None: the model's own limit."""
+    dtype: Dtype = "auto"
+    """Weights and activations: auto is float32 on the CPU, bfloat16 on CUDA."""
+    device: Device = "auto"
+    """auto picks CUDA when available."""
+    attention_backend: AttentionBackendName = "auto"
+    """auto: flash when vllm_flash_attn imports, else triton on CUDA, else torch."""
+    load_format: LoadFormat = "auto"
+    """dummy: random weights for the model's shape (benchmarks without weights)."""
+    seed: int = 0
+    """Seed for dummy weights and for sampling requests that give no seed of their own."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes seen before."""
+    scheduling_policy: SchedulingPolicy = "continuous"
+    """continuous (iteration-level) or static (request-level, for comparison)."""
+    static_batch_size: int = 8
+    """Batch size of the static policy."""
+    num_threads: int | None = None
+    """CPU threads for torch. None: every core this process may use."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            f"must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _check(
+            self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            f"must be a power of two, got {self.block_size}",
+        )
+        _check(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            "kv_cache_memory",
+            f"must be > 0 bytes, got {self.kv_cache_memory}",
+        )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _check(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "max_model_len",
+            f"must be >= 1, got {self.max_model_len}",
+        )
+        _choice(self.dtype, "dtype", ("auto", "float32", "bfloat16", "float16"))
+        _choice(self.device, "device", ("auto", "cpu", "cuda"))
+        _choice(self.attention_backend, "attention_backend", ("auto", "torch", "triton", "flash"))
+        _choice(self.load_format, "load_format", ("auto", "dummy"))
+        _choice(self.scheduling_policy, "scheduling_policy", ("continuous", "static"))
+        _check(
+            self.static_batch_size >= 1,
+            "static_batch_size",
+            f"must be >= 1, got {self.static_batch_size}",
+        )
+        _check(
+            self.num_threads is None or self.num_threads >= 1,
+            "num_threads",
+            f"must be >= 1, got {self.num_threads}",
+        )
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _choice(value: object, name: str, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, name, f"must be one of {', '.join(allowed)}; got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. temperature=0 is greedy."""
+
+    n: int = 1
+    """Completions per prompt."""
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    min_tokens: int = 0
+    """EOS and stop token ids are held back until this many tokens exist."""
+    temperature: float = 1.0
+    top_k: int = 0
+    """0 (or -1) keeps every token."""
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; left out of the returned text."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    """Go on past EOS (EOS is not masked, it just does not stop generation)."""
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        _int(self.n, "n")
+        _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _int(self.max_tokens, "max_tokens")
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _int(self.min_tokens, "min_tokens")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
+        _num(self.temperature, "temperature")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _int(self.top_k, "top_k")
+        _check(self.top_k >= 0, "top_k", f"must be >= 0 (or -1 for all), got {self.top_k}")
+        _num(self.top_p, "top_p")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _num(self.min_p, "min_p")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _int(self.seed, "seed")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be non-empty strings",
+        )
+        _check(
+            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+        )
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
+        _num(self.repetition_penalty, "repetition_penalty")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        _num(self.presence_penalty, "presence_penalty")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _num(self.frequency_penalty, "frequency_penalty")
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _int(value: object, name: str) -> None:
+    _check(
+        isinstance(value, int) and not isinstance(value, bool),
+        name,
+        f"must be an integer, got {value!r}",
+    )
+
+
+def _num(value: object, name: str) -> None:
+    _check(
+        isinstance(value, (int, float)) and not isinstance(value, bool),
+        name,
+        f"must be a number, got {value!r}",
+    )

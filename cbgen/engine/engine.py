@@ -1,0 +1,310 @@
+"""Engine: add_request, step, and everything discovered at start-up (device, KV blocks, EOS).
+
+    step():  schedule -> runner.execute -> scheduler.update_from_output -> stop strings
+             -> StepOutput(finished requests, stats)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+import torch
+
+from cbgen.attention import get_attention_backend
+from cbgen.config import EngineConfig, SamplingParams
+from cbgen.engine.kv_cache import KVCacheManager
+from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
+from cbgen.engine.request import Request, RequestStatus
+from cbgen.engine.runner import ModelRunner, NewRequestInfo
+from cbgen.engine.scheduler import Scheduler, SchedulerOutput
+from cbgen.engine.static_scheduler import StaticScheduler
+from cbgen.metrics import RequestMetrics
+from cbgen.models.loader import load_model, load_model_config, load_tokenizer, resolve_model
+
+logger = logging.getLogger("cbgen")
+
+GiB = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def default_cpu_kv_cache_memory() -> int:
+    """A quarter of available memory, at most 4 GiB."""
+    return int(min(4 * GiB, psutil.virtual_memory().available // 4))
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        share_weights_with: Engine | None = None,
+        **options: Any,
+    ) -> None:
+        """share_weights_with: reuse another engine's model and tokenizer (same model, device
+        and dtype), e.g. to compare scheduling settings without loading twice."""
+        config = (config or EngineConfig()).replace(**options) if options else (config or EngineConfig())
+        self.config = config
+        t0 = time.perf_counter()
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or len(psutil.Process().cpu_affinity() or [0]))
+        self.source = resolve_model(config.model, config.load_format)
+        self.model_config = load_model_config(self.source)
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's limit of {limit}")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a prompt must fit in one step's budget.
+            self.max_prompt_len = config.max_num_batched_tokens
+        else:
+            self.max_prompt_len = self.max_model_len
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        if share_weights_with is not None:
+            other = share_weights_with
+            if (other.source, other.dtype, other.device) != (self.source, self.dtype, self.device):
+                raise ValueError("share_weights_with: the other engine has another model, dtype or device")
+            if other.max_model_len < self.max_model_len:
+                raise ValueError("share_weights_with: the other engine has a shorter max_model_len")
+            self.tokenizer, self.model = other.tokenizer, other.model
+        else:
+            self.tokenizer = load_tokenizer(self.source)
+            self.model = load_model(
+                self.source, mc, self.dtype, self.device, self.max_model_len, config.load_format, config.seed
+            )
+        self.load_time_s = time.perf_counter() - t0
+        self.num_blocks = self._num_kv_blocks()
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        sched_cls = StaticScheduler if config.scheduling_policy == "static" else Scheduler
+        self.scheduler: Scheduler = sched_cls(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+        )
+        if isinstance(self.scheduler, StaticScheduler):
+            self.scheduler.static_batch_size = min(config.static_batch_size, config.max_num_seqs)
+        self.runner = ModelRunner(
+            self.model,
+            self.backend,
+            self.num_blocks,
+            config.block_size,
+            config.max_num_seqs,
+            self.max_model_len,
+            self.device,
+            self.dtype,
+        )
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self.eos_token_id: int | None = eos if eos is not None else (mc.eos_token_ids or [None])[0]
+        self._request_counter = 0
+        self.total_preemptions = 0
+        self.init_time_s = time.perf_counter() - t0
+
+    # ---- start-up --------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.config.block_size * mc.num_key_value_heads * mc.head_dim * elem * mc.num_hidden_layers
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_cuda_kv_budget()
+        else:
+            budget = default_cpu_kv_cache_memory()
+        num_blocks = budget // self.kv_bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes hold no KV block "
+                f"({self.kv_bytes_per_block} bytes each)"
+            )
+        return int(num_blocks)
+
+    def _profile_cuda_kv_budget(self) -> int:
+        """Run one forward pass at the full token budget, then give the KV cache what is left
+        of gpu_memory_utilization x total memory."""
+        from cbgen.engine.profile import profile_peak_memory
+
+        peak = profile_peak_memory(self)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves no room for a KV "
+                f"cache (model and activations take {peak / GiB:.2f} GiB of {total / GiB:.2f} GiB)"
+            )
+        return budget
+
+    def describe(self) -> str:
+        tokens = self.num_blocks * self.config.block_size
+        return (
+            f"model {self.source.name} ({self.model_config.model_type}, "
+            f"{self.model_config.num_parameters() / 1e6:.0f}M params) on {self.device} {str(self.dtype).removeprefix('torch.')}, "
+            f"attention {self.backend.name}; KV cache {self.num_blocks} blocks x {self.config.block_size} "
+            f"tokens = {tokens} tokens ({self.num_blocks * self.kv_bytes_per_block / GiB:.2f} GiB), "
+            f"room for {tokens // self.max_model_len}+ sequences at max_model_len {self.max_model_len}"
+        )
+
+    # ---- requests --------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: give prompts as token ids")
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: give a plain prompt")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue one request. Raises ValueError (and changes nothing) if it can never run."""
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_request(token_ids, params)
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._request_counter
+        self._request_counter += 1
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+            eos_token_id=self.eos_token_id,
+        )
+        self.scheduler.add_request(req)
+        stop_ids = tuple(params.stop_token_ids) + (() if self.eos_token_id is None else (self.eos_token_id,))
+        self.runner.add_request(request_id, NewRequestInfo(len(token_ids), params, seed, stop_ids))
+        return req
+
+    def validate_request(self, token_ids: Sequence[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt: is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        n = len(token_ids)
+        if n > self.max_prompt_len:
+            raise ValueError(
+                f"prompt: {n} tokens is longer than the {self.max_prompt_len} this engine allows"
+                + (" (max_model_len)" if self.max_prompt_len == self.max_model_len else " (max_num_batched_tokens without chunked prefill)")
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        need = self.kv.blocks_needed(n + params.max_tokens)
+        if need > self.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens needs {need} KV blocks, the cache has {self.num_blocks}"
+            )
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        reqs = [self.scheduler.requests[r] for r in request_ids if r in self.scheduler.requests]
+        self.scheduler.finish(reqs, time.perf_counter(), RequestStatus.FINISHED_ABORTED)
+        return [self._output(r) for r in reqs]
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule(t0)
+        sampled = self.runner.execute(out)
+        now = time.perf_counter()
+        finished = self.scheduler.update_from_output(out, sampled, now)
+        finished += self._check_stop_strings(out, sampled, now)
+        self.total_preemptions += len(out.preempted_ids)
+        return StepOutput(
+            finished=[self._output(r) for r in finished],
+            stats=self._stats(out, t0, now),
+        )
+
+    def _check_stop_strings(self, out: SchedulerOutput, sampled: dict[str, int], now: float) -> list[Request]:
+        hits = []
+        for rid in sampled:
+            req = self.scheduler.requests.get(rid)
+            if req is None or not req.sampling_params.stop or req.is_finished:
+                continue
+            text = self._decode(req.output_token_ids)
+            if any(s in text for s in req.sampling_params.stop):
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = min(
+                    (s for s in req.sampling_params.stop if s in text), key=text.index
+                )
+                hits.append(req)
+        if hits:
+            self.scheduler.finish(hits, now)
+        return hits
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = self._decode(req.output_token_ids)
+        if isinstance(req.stop_reason, str) and req.stop_reason in text:
+            text = text[: text.index(req.stop_reason)]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+            text=text,
+            finish_reason=req.status.finish_reason or "abort",
+            error=None,
+            num_preemptions=req.num_preemptions,
+            num_cached_tokens=req.num_cached_tokens,
+            stop_reason=req.stop_reason,
+            metrics=RequestMetrics.from_times(
+                req.arrival_time, req.first_scheduled_time, req.token_times, req.finished_time
+            ),
+        )
+
+    def _stats(self, out: SchedulerOutput, t0: float, now: float) -> StepStats:
+        return StepStats(
+            time=now,
+            duration_s=now - t0,
+            num_scheduled=len(out.scheduled),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_used=self.kv.num_used_blocks,
+            num_kv_blocks_total=self.num_blocks,
+            num_preempted=len(out.preempted_ids),
+            total_preemptions=self.total_preemptions,
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+        )

@@ -1,0 +1,239 @@
+"""BlockPool and KVCacheManager: which KV blocks exist, who holds them, which are cached.
+
+A request's block table covers its tokens in order; block i holds tokens
+[i * block_size, (i + 1) * block_size):
+
+    block table:  | b7 | b2 | b9 | b4 |
+    tokens:       |computed..........|new....|free |
+                                     ^ num_computed_tokens
+
+Blocks are reference counted. A block whose count drops to 0 goes to the back of the free
+queue; new blocks come from the front, so the queue is also the eviction order of the prefix
+cache (least recently freed first). A full block may carry a hash of (parent hash, its token
+ids): while it sits in the free queue its contents stay reusable by any request whose prefix
+hashes the same and whose token ids match (a hash collision never shares a block).
+
+The manager never picks a victim and never writes into a request: it answers "no room" with
+None and the scheduler decides what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cbgen.engine.request import Request
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Chained, deterministic hash of one full block (sha256; stable across processes)."""
+    h = hashlib.sha256(parent or b"\0")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+@dataclass
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+    """The tokens a cached block holds, checked on every hit."""
+
+
+class BlockPool:
+    """All blocks, the free queue (eviction order) and the hash -> block index."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[BlockHash, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take n blocks from the front of the free queue (evicting their cached contents)."""
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block.block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+            self.num_evictions += 1
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Take a reference on cache hits, pulling idle ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the free queue in the given order
+        (so pass the ones to evict first, first)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = None
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVCacheBlock | None:
+        block_id = self.cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.token_ids != tuple(token_ids):
+            return None  # a hash collision: never share
+        return block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # another block already holds these tokens; this one stays private
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self.cached[block_hash] = block.block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            self._evict(block)
+
+
+class KVCacheManager:
+    """Block tables per request on top of a BlockPool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.num_queries = 0
+        self.num_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def _hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        """The hash chain of the request's first num_full_blocks blocks (memoised)."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The cached full blocks of the request's prefix and how many tokens they hold.
+
+        Capped so that at least the last token is computed: sampling needs its logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        hashes = self._hashes(request, max_blocks)
+        tokens = request.all_token_ids
+        hits: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            block = self.pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        self.num_queries += request.num_tokens
+        self.num_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[int] | None:
+        """Grow the request's block table to hold num_computed_tokens (plus the tokens of
+        computed_blocks, for a request being admitted) + num_new_tokens.
+
+        Returns the ids of the blocks added (cache hits first), or None, changing nothing,
+        when there is no room.
+        """
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(computed_blocks)
+        # Hits sitting idle in the free queue are no longer free once taken.
+        idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - idle_hits:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        self.pool.touch(computed_blocks)
+        new = self.pool.get_new_blocks(max(need, 0))
+        blocks.extend(computed_blocks)
+        blocks.extend(new)
+        return [b.block_id for b in computed_blocks] + [b.block_id for b in new]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks whose KV is now written."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        num_full = min(num_computed_tokens // bs, len(self.req_blocks.get(request.request_id, ())))
+        hashes = self._hashes(request, num_full)
+        blocks = self.req_blocks[request.request_id]
+        tokens = request.all_token_ids
+        for i in range(num_full):
+            self.pool.cache_block(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so that a prefix outlives its tails."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(list(reversed(blocks)))
+        self.req_hashes.pop(request.request_id, None)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hits / self.num_queries if self.num_queries else 0.0

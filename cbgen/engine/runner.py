@@ -1,0 +1,190 @@
+"""ModelRunner: turns a SchedulerOutput into the flat batch, runs the model, samples.
+
+The flat batch (no padding), for B scheduled requests and T tokens:
+
+    input_ids[T], positions[T], slot_mapping[T]
+    query_start_loc[B + 1]      request i owns tokens [qsl[i], qsl[i + 1])
+    seq_lens[B]                 context + new tokens of request i
+    block_table[B, max_blocks]  rows of the persistent per-slot block table
+
+Block tables live in one preallocated [max_num_seqs, max_blocks_per_seq] array: a request
+keeps its row while it runs and only its new block ids are written each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cbgen.attention import AttentionBackend, AttentionMetadata
+from cbgen.config import SamplingParams
+from cbgen.engine.sampler import Sampler, SamplingRow
+from cbgen.engine.scheduler import SchedulerOutput
+from cbgen.models.llama import CausalLM
+
+
+@dataclass(frozen=True)
+class NewRequestInfo:
+    """What the runner needs once per request, registered by the engine at add_request."""
+
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    stop_ids_for_min_tokens: tuple[int, ...]
+
+
+@dataclass
+class _RowState:
+    row: int
+    token_ids: list[int]
+    num_blocks: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.kv_caches = [
+            torch.zeros(
+                2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.rows: dict[str, _RowState] = {}
+        self.infos: dict[str, NewRequestInfo] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.sampler = Sampler()
+
+    # ---- request bookkeeping -----------------------------------------------------------
+    def add_request(self, request_id: str, info: NewRequestInfo) -> None:
+        self.infos[request_id] = info
+        if not info.params.greedy:
+            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(info.seed)
+
+    def _drop_row(self, request_id: str) -> None:
+        state = self.rows.pop(request_id, None)
+        if state is not None:
+            self.free_rows.append(state.row)
+
+    def _forget(self, request_id: str) -> None:
+        self._drop_row(request_id)
+        self.infos.pop(request_id, None)
+        self.generators.pop(request_id, None)
+
+    # ---- one step -------------------------------------------------------------------------
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_ids:
+            self._forget(rid)
+        for rid in out.preempted_ids:
+            self._drop_row(rid)  # recomputed on readmission; its generator lives on
+        for s in out.scheduled:
+            if s.new_token_ids is not None:
+                self._drop_row(s.request_id)
+                state = _RowState(self.free_rows.pop(), list(s.new_token_ids), 0)
+                self.rows[s.request_id] = state
+            else:
+                state = self.rows[s.request_id]
+            n = len(s.new_block_ids)
+            if n:
+                self.block_table[state.row, state.num_blocks : state.num_blocks + n] = s.new_block_ids
+                state.num_blocks += n
+
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The flat batch for this step: (input_ids, positions, metadata, logits_indices)."""
+        bs = self.block_size
+        sched = out.scheduled
+        states = [self.rows[s.request_id] for s in sched]
+        rows = np.fromiter((st.row for st in states), dtype=np.int64, count=len(sched))
+        num_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
+        computed = np.fromiter((s.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched))
+        qsl = np.zeros(len(sched) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=qsl[1:])
+        total = int(qsl[-1])
+        seq_lens = computed + num_new
+        # positions: for token t of request i, computed[i] + (t - qsl[i])
+        positions = np.repeat(computed - qsl[:-1], num_new) + np.arange(total)
+        token_rows = np.repeat(rows, num_new)
+        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        if total == len(sched):  # one token each (decodes, or 1-token prompt chunks)
+            input_ids = np.fromiter(
+                (st.token_ids[s.num_computed_tokens] for s, st in zip(sched, states, strict=True)),
+                dtype=np.int64,
+                count=total,
+            )
+        else:
+            input_ids = np.empty(total, dtype=np.int64)
+            for s, st, start in zip(sched, states, qsl[:-1].tolist(), strict=True):
+                c, n = s.num_computed_tokens, s.num_new_tokens
+                input_ids[start : start + n] = st.token_ids[c : c + n]
+        max_seq_len = int(seq_lens.max())
+        block_table = self.block_table[rows, : -(-max_seq_len // bs)]
+        sample_mask = np.fromiter((s.will_sample for s in sched), dtype=bool, count=len(sched))
+        logits_indices = qsl[1:][sample_mask] - 1
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(block_table).to(dev),
+            max_query_len=int(num_new.max()),
+            max_seq_len=max_seq_len,
+            block_size=bs,
+        )
+        return (
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            meta,
+            torch.from_numpy(logits_indices).to(dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run one step; returns the sampled token of every request that caught up."""
+        self._update_states(out)
+        if out.is_empty:
+            return {}
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
+        self.backend.prepare(meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        sampling = [s for s in out.scheduled if s.will_sample]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[logits_indices])
+        rows = []
+        for s in sampling:
+            info = self.infos[s.request_id]
+            tokens = self.rows[s.request_id].token_ids
+            rows.append(
+                SamplingRow(
+                    params=info.params,
+                    token_ids=tokens,
+                    prompt_len=info.prompt_len,
+                    generator=self.generators.get(s.request_id),
+                    stop_ids_for_min_tokens=info.stop_ids_for_min_tokens,
+                )
+            )
+        sampled = self.sampler(logits, rows)
+        result = {}
+        for s, token in zip(sampling, sampled, strict=True):
+            self.rows[s.request_id].token_ids.append(token)
+            result[s.request_id] = token
+        return result

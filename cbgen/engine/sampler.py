@@ -1,0 +1,133 @@
+"""Batched sampling: penalties, min_tokens, greedy, temperature / top-k / top-p / min-p.
+
+One call per step for every request that samples. Random draws come from each request's own
+generator (the exponential-race trick: argmax(p / E) with E ~ Exp(1) is a draw from p), so a
+seeded request gives the same tokens alone or inside any batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cbgen.config import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    token_ids: Sequence[int]
+    """Prompt + output so far."""
+    prompt_len: int
+    generator: torch.Generator | None
+    stop_ids_for_min_tokens: Sequence[int]
+    """EOS and stop token ids: masked while fewer than min_tokens exist."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    repetition_penalty: float,
+    presence_penalty: float,
+    frequency_penalty: float,
+) -> torch.Tensor:
+    """Penalise one row of logits [V] in place and return it.
+
+    repetition: every token seen in prompt or output has its logit divided by the penalty when
+    positive, multiplied when negative; frequency and presence: subtract penalty x count and
+    penalty x (count > 0) over output tokens.
+    """
+    vocab = logits.shape[-1]
+    device = logits.device
+    if repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        ids = list(prompt_token_ids) + list(output_token_ids)
+        if ids:
+            seen[torch.tensor(ids, device=device)] = True
+        penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if (presence_penalty != 0.0 or frequency_penalty != 0.0) and output_token_ids:
+        counts = torch.bincount(
+            torch.tensor(list(output_token_ids), device=device), minlength=vocab
+        ).to(logits.dtype)
+        logits -= frequency_penalty * counts + presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or under min_p x p_max.
+
+    logits [B, V] already divided by temperature; top_k [B] (0 = all), top_p [B], min_p [B].
+    """
+    vocab = logits.shape[-1]
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+        drop = ranks >= k[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # keep a token if the mass strictly before it is < top_p (the top token always stays)
+        before = probs.cumsum(dim=-1) - probs
+        drop |= before >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        """logits [B, V] for the B requests in rows; returns one token id per row."""
+        logits = logits.float()
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.has_penalties:
+                apply_penalties(
+                    logits[i],
+                    row.prompt_token_ids,
+                    row.output_token_ids,
+                    p.repetition_penalty,
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                )
+            if row.num_output_tokens < p.min_tokens and row.stop_ids_for_min_tokens:
+                logits[i, list(row.stop_ids_for_min_tokens)] = float("-inf")
+        out = logits.argmax(dim=-1)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sub = logits[idx]
+            ps = [rows[i].params for i in random_rows]
+            dev = logits.device
+            temp = torch.tensor([p.temperature for p in ps], device=dev, dtype=sub.dtype)
+            sub = sub / temp[:, None]
+            sub = filter_logits(
+                sub,
+                torch.tensor([p.top_k for p in ps], device=dev),
+                torch.tensor([p.top_p for p in ps], device=dev, dtype=sub.dtype),
+                torch.tensor([p.min_p for p in ps], device=dev, dtype=sub.dtype),
+            )
+            probs = sub.softmax(dim=-1)
+            race = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                race[j].exponential_(generator=rows[i].generator)
+            out[idx] = (probs / race).argmax(dim=-1)
+        return out.tolist()

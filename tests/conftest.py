@@ -1,0 +1,102 @@
+"""Shared fixtures: the real SmolLM2 (loaded once per session) and tiny random-weight models
+written by transformers itself, so cbgen and transformers read the very same weights."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # two xdist workers on two cores
+
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # GQA 4:2, untied
+    "llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    # QKV bias, GQA 4:1, tied
+    "qwen2": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, vocab_size=256, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=10000.0,
+    ),
+    # Q/K norm, explicit head_dim, GQA 4:2, untied
+    "qwen3": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
+}
+
+
+def make_tiny_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
+    """Random weights (std 0.5, so logits are far apart and greedy is well defined),
+    saved by transformers as config.json + model.safetensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_kwargs = dict(TINY_CONFIGS[kind])
+    model_type = cfg_kwargs.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **cfg_kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    cache: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            cache[kind] = make_tiny_hf_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from cbgen.models.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine() -> Any:
+    """The real model in cbgen, loaded once per test session (float32, CPU)."""
+    from cbgen.engine.engine import Engine
+
+    return Engine(max_num_seqs=16, kv_cache_memory=256 << 20, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path: str) -> Any:
+    """The same weights in transformers (GGUF dequantized by transformers itself)."""
+    from transformers import AutoModelForCausalLM
+
+    p = Path(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    model.eval()
+    return model

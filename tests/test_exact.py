@@ -1,0 +1,120 @@
+"""Greedy output is token-for-token equal to transformers' generate on the same weights, under
+default settings, chunked prefill (>= 3 chunks per prompt), preemption, and one slot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cbgen.config import EngineConfig, SamplingParams
+from cbgen.engine.engine import Engine
+from cbgen.llm import LLM
+
+NEW_TOKENS = 32
+
+SMOLLM2_PROMPTS: list[Any] = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    [{"role": "user", "content": "What is continuous batching in LLM inference?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "clockmaker who had never once left the valley. Every morning he",
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "List three prime numbers."},
+        {"role": "assistant", "content": "2, 3, 5."},
+        {"role": "user", "content": "Three more, larger than 100, please."},
+    ],
+    "1, 2, 3, 4, 5,",
+    [{"role": "user", "content": "Explain why the sky is blue to a ten year old, in detail, "
+      "covering sunlight, the atmosphere, scattering, and why sunsets are red."}],
+]
+
+
+def hf_greedy(model: Any, prompt_ids: Sequence[int], n: int) -> list[int]:
+    from transformers import GenerationConfig
+
+    x = torch.tensor([list(prompt_ids)])
+    # ignore_eos: no EOS anywhere, so generation runs to n tokens without masking EOS.
+    model.generation_config.eos_token_id = None
+    gc = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
+    return out[0, x.shape[1] :].tolist()
+
+
+def settings(prompt_lens: list[int], engine_for_sizes: Engine) -> dict[str, dict[str, Any]]:
+    """The four configurations every model is checked under."""
+    longest = max(prompt_lens) + NEW_TOKENS
+    per_block = engine_for_sizes.kv_bytes_per_block
+    bs = engine_for_sizes.config.block_size
+    return {
+        "default": {},
+        "chunked": {"max_num_batched_tokens": max(1, min(prompt_lens) // 3)},
+        # room for the longest request plus a little: several requests cannot coexist
+        "preempt": {"kv_cache_memory": per_block * (-(-longest // bs) + 2), "enable_prefix_caching": False},
+        "one_slot": {"max_num_seqs": 1},
+    }
+
+
+def run_cbgen(base: Engine, overrides: dict[str, Any], prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    engine = Engine(base.config.replace(**overrides), share_weights_with=base)
+    llm = LLM(engine=engine)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
+    assert engine.kv.num_used_blocks == 0
+    return [o.output_token_ids for o in outs], engine.total_preemptions
+
+
+@pytest.fixture(scope="module")
+def smollm2_case(smollm2_engine: Engine, smollm2_hf: Any) -> tuple[Engine, list[list[int]], list[list[int]]]:
+    prompts = [
+        smollm2_engine.apply_chat_template(p) if isinstance(p, list) else smollm2_engine.tokenize(p)
+        for p in SMOLLM2_PROMPTS
+    ]
+    assert len({len(p) for p in prompts}) == len(prompts)  # all lengths differ
+    expected = [hf_greedy(smollm2_hf, p, NEW_TOKENS) for p in prompts]
+    return smollm2_engine, prompts, expected
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
+@pytest.mark.parametrize("setting", ["default", "chunked", "preempt", "one_slot"])
+def test_smollm2_greedy_matches_transformers(smollm2_case: Any, setting: str) -> None:
+    engine, prompts, expected = smollm2_case
+    overrides = settings([len(p) for p in prompts], engine)[setting]
+    got, preemptions = run_cbgen(engine, overrides, prompts)
+    if setting == "chunked":
+        assert overrides["max_num_batched_tokens"] * 3 <= min(len(p) for p in prompts)
+    if setting == "preempt":
+        assert preemptions > 0
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g == e, f"prompt {i}: first difference at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+
+
+TINY_PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12, 13],
+    [100, 3, 77, 42, 42, 9, 250, 17, 33, 61, 12, 8, 190, 4, 4, 4, 61, 99, 23, 14, 15],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66],
+    [200, 201, 202, 13, 17, 19, 23, 29, 31, 37, 41, 43],
+    [9, 8, 7, 6, 5, 4, 3, 9, 8, 7, 6, 5, 4, 3, 9, 8, 7, 6, 5, 4, 3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34],
+]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_greedy_match_transformers(kind: str, tiny_model_dir: Callable[[str], Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model_dir(kind)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in TINY_PROMPTS]
+    base = Engine(EngineConfig(model=str(folder), device="cpu", dtype="float32", kv_cache_memory=8 << 20, block_size=4))
+    for name, overrides in settings([len(p) for p in TINY_PROMPTS], base).items():
+        got, preemptions = run_cbgen(base, overrides, TINY_PROMPTS)
+        if name == "preempt":
+            assert preemptions > 0
+        assert got == expected, f"{kind} under {name}"
