@@ -32,9 +32,11 @@ class AttentionBackend:
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        meta.state = torch_backend.plan_attention(
+        plan = torch_backend.plan_attention(
             meta.block_table, meta.query_start_loc, meta.seq_lens, meta.block_size
         )
+        has_negative = bool((meta.slot_mapping < 0).any()) if meta.slot_mapping.numel() else False
+        meta.state = (plan, has_negative)
 
     def forward(
         self,
@@ -45,8 +47,9 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        torch_backend.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-        return torch_backend.attend(query, kv_cache, meta.state, scale)
+        plan, has_negative = meta.state
+        torch_backend.write_kv_cache(key, value, kv_cache, meta.slot_mapping, has_negative)
+        return torch_backend.attend(query, kv_cache, plan, scale, native=query.device.type == "cpu")
 
 
 def flash_available() -> str | None:
@@ -69,12 +72,43 @@ def triton_available() -> bool:
     return True
 
 
-def resolve_backend_name(requested: str, device: torch.device) -> str:
-    """auto: flash when vllm_flash_attn imports (CUDA only), else triton on CUDA, else torch.
-    An explicit choice that cannot run raises ValueError saying why."""
+def triton_interpreted() -> bool:
+    """True when cbgen_kernels was built for the Triton interpreter (TRITON_INTERPRET=1 was set
+    before triton was first imported), so the kernels run on CPU tensors."""
+    try:
+        kernels = importlib.import_module("cbgen_kernels")
+    except Exception:
+        return False
+    return bool(kernels.interpreted())
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_fits(dtype: torch.dtype | None, block_size: int | None) -> str | None:
+    """Why the flash kernels cannot take this dtype or block size (None: they can, or unknown)."""
+    if dtype is not None and dtype not in FLASH_DTYPES:
+        return f"flash runs float16 and bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if block_size is not None and block_size % 16:
+        return f"flash needs a block_size that is a multiple of 16, not {block_size}"
+    return None
+
+
+def resolve_backend_name(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    block_size: int | None = None,
+) -> str:
+    """auto: flash when vllm_flash_attn imports (on CUDA, for a 16-bit dtype and a block_size
+    that is a multiple of 16, when those are given), else triton on CUDA, else torch. An
+    explicit choice that cannot run raises ValueError saying why. triton on the CPU runs only
+    under the Triton interpreter (tests)."""
+    if requested not in ("auto", "torch", "triton", "flash"):
+        raise ValueError(f"attention_backend: unknown backend {requested!r}")
     is_cuda = device.type == "cuda"
     if requested == "auto":
-        if is_cuda and flash_available():
+        if is_cuda and flash_fits(dtype, block_size) is None and flash_available():
             return "flash"
         if is_cuda and triton_available():
             return "triton"
@@ -82,20 +116,33 @@ def resolve_backend_name(requested: str, device: torch.device) -> str:
     if requested == "flash":
         if not is_cuda:
             raise ValueError("attention_backend: flash needs a CUDA device")
+        why = flash_fits(dtype, block_size)
+        if why is not None:
+            raise ValueError(f"attention_backend: {why}")
         if flash_available() is None:
             raise ValueError(
                 "attention_backend: flash needs vllm_flash_attn (standalone or inside vLLM), "
                 "which does not import here"
             )
-    if requested == "triton" and not triton_available():
-        raise ValueError("attention_backend: triton is not installed (pip install triton)")
-    if requested not in ("torch", "triton", "flash"):
-        raise ValueError(f"attention_backend: unknown backend {requested!r}")
+    if requested == "triton":
+        if not triton_available():
+            raise ValueError("attention_backend: triton is not installed (pip install triton)")
+        if not is_cuda and not triton_interpreted():
+            raise ValueError(
+                "attention_backend: triton needs a CUDA device; on the CPU it runs only under the "
+                "Triton interpreter (TRITON_INTERPRET=1 set before triton is imported)"
+            )
     return requested
 
 
-def get_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
-    name = resolve_backend_name(requested, device)
+def get_attention_backend(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    block_size: int | None = None,
+) -> AttentionBackend:
+    """The backend to run: see resolve_backend_name."""
+    name = resolve_backend_name(requested, device, dtype, block_size)
     if name == "torch":
         return AttentionBackend()
     if name == "triton":

@@ -28,10 +28,13 @@ def write_kv_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    may_have_negative: bool = True,
 ) -> None:
-    """Write key/value [T, Hkv, D] at flat slots [T] of kv_cache; negative slots are skipped."""
+    """Write key/value [T, Hkv, D] at flat slots [T] of kv_cache; negative slots are skipped.
+
+    may_have_negative=False skips the check (the caller knows every slot is real)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+    if may_have_negative and slot_mapping.numel() and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
@@ -46,6 +49,7 @@ class AttentionPlan:
     decode_tokens: torch.Tensor  # [Bd] token indices in the flat batch
     decode_blocks: torch.Tensor  # [Bd, nb] block ids (0-padded)
     decode_mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] True = attend
+    decode_seq_lens: torch.Tensor  # [Bd] int32
     # Prefill chunks (query_len > 1), one call each: (token_start, token_end, seq_len, blocks)
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]
 
@@ -81,11 +85,13 @@ def plan_attention(
             torch.arange(nb * block_size, device=device)[None, :] < dec_lens[:, None]
         )[:, None, None, :]
         decode_tokens = query_start_loc[rows].long()
+        decode_seq_lens = dec_lens
     else:
+        decode_seq_lens = torch.empty(0, dtype=torch.int32, device=device)
         decode_blocks = torch.empty(0, 0, dtype=block_table.dtype, device=device)
         decode_mask = torch.empty(0, 1, 1, 0, dtype=torch.bool, device=device)
         decode_tokens = torch.empty(0, dtype=torch.long, device=device)
-    return AttentionPlan(decode_tokens, decode_blocks, decode_mask, prefills)
+    return AttentionPlan(decode_tokens, decode_blocks, decode_mask, decode_seq_lens, prefills)
 
 
 def attend(
@@ -93,14 +99,28 @@ def attend(
     kv_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    native: bool = False,
 ) -> torch.Tensor:
-    """Attention of query [T, H, D] over the paged cache, following a plan."""
+    """Attention of query [T, H, D] over the paged cache, following a plan.
+
+    native: on the CPU in float32, attend decodes with the C kernel (native.py) straight from
+    the block table instead of gathering K/V; the pure-torch path stays the reference."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    if plan.decode_tokens.numel():
+    decoded = False
+    if native and plan.decode_tokens.numel() and query.dtype == kv_cache.dtype == torch.float32:
+        from cbgen.attention.native import paged_decode_f32
+
+        o = paged_decode_f32(
+            query[plan.decode_tokens], kv_cache, plan.decode_blocks, plan.decode_seq_lens, scale
+        )
+        if o is not None:
+            out[plan.decode_tokens] = o
+            decoded = True
+    if plan.decode_tokens.numel() and not decoded:
         bd = plan.decode_tokens.shape[0]
         # [Bd, Hkv, G, D]: the G query heads of a KV group act as G query rows.
         q = query[plan.decode_tokens].view(bd, num_kv_heads, group, head_dim)

@@ -67,17 +67,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the batch's positions: [T, 1, D/2] each (the two halves are equal)."""
+        half = self.cos.shape[-1] // 2
+        cos = self.cos[positions, :half].to(dtype)[:, None, :]
+        sin = self.sin[positions, :half].to(dtype)[:, None, :]
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, per half: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
+    (the same float operations as the reference formulation, without the concatenations)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :half])
+    out[..., :half].sub_(x2 * sin)
+    torch.mul(x2, cos, out=out[..., half:])
+    out[..., half:].add_(x1 * sin)
+    return out
 
 
 class Attention(nn.Module):
@@ -97,20 +105,24 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        cos, sin = rope
+        heads = self.num_heads + self.num_kv_heads
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            # q and k sit side by side in each row of qkv: rotate them in one go.
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -160,9 +172,10 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             residual = h
-            h = layer.self_attn(layer.input_layernorm(h), positions, self.rope, kv_cache, meta, backend)
+            h = layer.self_attn(layer.input_layernorm(h), rope, kv_cache, meta, backend)
             h = residual + h
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))
