@@ -17,6 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # two xdist workers on two cores
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on the CPU; it must be chosen before triton loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {

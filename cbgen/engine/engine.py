@@ -79,7 +79,9 @@ class Engine:
             self.max_prompt_len = config.max_num_batched_tokens
         else:
             self.max_prompt_len = self.max_model_len
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.backend = get_attention_backend(
+            config.attention_backend, self.device, self.dtype, config.block_size
+        )
         if share_weights_with is not None:
             other = share_weights_with
             if (other.source, other.dtype, other.device) != (self.source, self.dtype, self.device):

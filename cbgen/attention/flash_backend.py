@@ -1,0 +1,97 @@
+"""The flash attention backend: vllm_flash_attn's paged varlen kernel, one call per layer for
+the whole mixed batch (prefill chunks and decodes alike).
+
+    flash_attn_varlen_func(q [T, H, D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
+        cu_seqlens_q = query_start_loc, seqused_k = seq_lens, block_table,
+        max_seqlen_q, max_seqlen_k, causal=True)
+
+With seqused_k and causal=True the mask is aligned bottom-right, which is exactly our rule:
+query j of a chunk of query_len tokens sees keys [0, seq_len - query_len + j]. New K/V go in
+through cbgen_kernels.write_kv_cache (the torch reference when triton is missing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cbgen.attention import torch_backend
+from cbgen.attention.backend import AttentionBackend, AttentionMetadata, flash_available, flash_fits
+
+
+def _pick_fa_version(module: Any, varlen: Callable[..., Any]) -> int | None:
+    """FA3 where the installed build supports it on this GPU (Hopper), else FA2; None for
+    builds whose varlen function takes no fa_version."""
+    if "fa_version" not in inspect.signature(varlen).parameters:
+        return None
+    supported = getattr(module, "is_fa_version_supported", None)
+    if supported is not None:
+        try:
+            if supported(3):
+                return 3
+        except Exception:
+            pass
+    return 2
+
+
+class FlashAttentionBackend(AttentionBackend):
+    name = "flash"
+
+    def __init__(self, module_name: str | None = None) -> None:
+        module_name = module_name or flash_available()
+        if module_name is None:
+            raise ValueError(
+                "attention_backend: flash needs vllm_flash_attn (standalone or inside vLLM), "
+                "which does not import here"
+            )
+        self.module = importlib.import_module(module_name)
+        self.varlen: Callable[..., torch.Tensor] = self.module.flash_attn_varlen_func
+        self.fa_version = _pick_fa_version(self.module, self.varlen)
+        try:
+            import cbgen_kernels
+
+            self.write_kv: Callable[..., None] = cbgen_kernels.write_kv_cache
+        except ImportError:
+            self.write_kv = torch_backend.write_kv_cache
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        # The paged kernel reads pages of 16-token multiples (vLLM's layout rule for it).
+        why = flash_fits(None, meta.block_size)
+        if why is not None:
+            raise ValueError(f"attention_backend: {why} (use --attention-backend triton)")
+        meta.state = None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        why = flash_fits(query.dtype, None)
+        if why is not None:
+            raise ValueError(f"attention_backend: {why} (use --dtype bfloat16 or --attention-backend triton)")
+        self.write_kv(key, value, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        extra: dict[str, Any] = {} if self.fa_version is None else {"fa_version": self.fa_version}
+        self.varlen(
+            q=query,
+            k=kv_cache[0],
+            v=kv_cache[1],
+            max_seqlen_q=meta.max_query_len,
+            cu_seqlens_q=meta.query_start_loc,
+            max_seqlen_k=meta.max_seq_len,
+            seqused_k=meta.seq_lens,
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.block_table,
+            out=out,
+            **extra,
+        )
+        return out

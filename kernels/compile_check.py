@@ -1,0 +1,126 @@
+"""Compile every kernel variant the backends launch for a CUDA target, without a GPU.
+
+Triton lowers to PTX and runs ptxas (shipped with triton) on any machine, so this catches what
+the interpreter cannot: type errors of the compiled dialect, unsupported constructs, and tiles
+that need more shared memory than the chip has. It must run in a process where
+TRITON_INTERPRET is unset (the kernels are then JIT functions, not interpreted ones).
+
+    python -m cbgen_kernels.compile_check [arch ...]     # e.g. 90 (H100/H200), 80 (A100)
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+# Shared memory a block may use, by compute capability (bytes; from the CUDA programming guide).
+MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+@dataclass(frozen=True)
+class CompiledVariant:
+    name: str
+    arch: int
+    shared_bytes: int
+    num_warps: int
+    cubin_bytes: int
+
+
+def _signature(fn: Any, pointers: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = pointers[name]
+        elif name.startswith("scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """(name, kernel, pointer types, constexprs) of what the backends launch for a model with
+    head_dim 128, GQA 4 and 16-token pages, in one dtype ("bf16", "fp16" or "fp32")."""
+    from cbgen_kernels.attention import _merge_splits_kernel, _paged_attention_kernel, choose_config
+    from cbgen_kernels.cache import _write_kv_kernel
+
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    write_ptrs = {n: f"*{dtype}" for n in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
+    write_ptrs["slot_mapping_ptr"] = "*i64"
+    out.append(
+        (
+            f"write_kv_cache[{dtype}]",
+            _write_kv_kernel,
+            write_ptrs,
+            dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, PAGE_SIZE=16),
+        )
+    )
+    for label, max_q, splits in (("mixed", 512, 1), ("decode", 1, 1), ("decode-split", 1, 4)):
+        cfg = choose_config(32, 8, 128, max_q, splits)
+        part = "fp32" if splits > 1 else dtype
+        ptrs = {
+            "q_ptr": f"*{dtype}",
+            "key_cache_ptr": f"*{dtype}",
+            "value_cache_ptr": f"*{dtype}",
+            "out_ptr": f"*{part}",
+            "lse_ptr": f"*{part}",
+            "block_table_ptr": "*i32",
+            "query_start_loc_ptr": "*i32",
+            "seq_lens_ptr": "*i32",
+        }
+        consts = dict(
+            GROUP=4, HEAD_DIM=128, DIM_PAD=128, PAGE_SIZE=16, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, NUM_SPLITS=splits, UPCAST=False,
+            DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+        )
+        out.append((f"paged_attention[{label},{dtype}]", _paged_attention_kernel, ptrs, consts))
+    out.append(
+        (
+            f"merge_splits[{dtype}]",
+            _merge_splits_kernel,
+            {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{dtype}"},
+            dict(HEAD_DIM=128, DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4),
+        )
+    )
+    return out
+
+
+def compile_all(arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> list[CompiledVariant]:
+    """Compile every variant for sm_<arch>; raises on a compile error or a tile that exceeds
+    the chip's shared memory."""
+    import triton
+    from cbgen_kernels import interpreted
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if interpreted():
+        raise RuntimeError("compile_check needs TRITON_INTERPRET unset (kernels are interpreted here)")
+    target = GPUTarget("cuda", arch, 32)
+    results = []
+    for dtype in dtypes:
+        for name, fn, ptrs, consts in variants(dtype):
+            src = ASTSource(fn=fn, signature=_signature(fn, ptrs, consts), constexprs=consts)
+            compiled = triton.compile(src, target=target, options={"num_warps": 4})
+            shared = int(compiled.metadata.shared)
+            limit = MAX_SHARED.get(arch, 99 * 1024)
+            if shared > limit:
+                raise RuntimeError(f"{name}: needs {shared} bytes of shared memory, sm_{arch} has {limit}")
+            results.append(
+                CompiledVariant(name, arch, shared, int(compiled.metadata.num_warps), len(compiled.asm["cubin"]))
+            )
+    return results
+
+
+def main(argv: list[str]) -> int:
+    archs = [int(a) for a in argv] or [90]
+    for arch in archs:
+        for v in compile_all(arch):
+            print(f"sm_{v.arch} {v.name}: shared {v.shared_bytes} B, {v.num_warps} warps, cubin {v.cubin_bytes} B")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
