@@ -60,18 +60,27 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(cfg)
-        pos = torch.arange(max_positions, dtype=torch.float32)
+        self.cfg = cfg
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim // 2), persistent=False)
+        if self.cos.device.type != "meta":
+            self.build()
+
+    def build(self) -> None:
+        """Fill the tables (float32, on the buffers' device). The reference computes
+        cat(freqs, freqs).cos(): both halves are the same, so one half is kept."""
+        device = self.cos.device
+        inv_freq = rope_inv_freq(self.cfg)
+        pos = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the batch's positions: [T, 1, D/2] each (the two halves are equal)."""
-        half = self.cos.shape[-1] // 2
-        cos = self.cos[positions, :half].to(dtype)[:, None, :]
-        sin = self.sin[positions, :half].to(dtype)[:, None, :]
+        """cos, sin for the batch's positions: [T, 1, D/2] each."""
+        cos = self.cos[positions].to(dtype)[:, None, :]
+        sin = self.sin[positions].to(dtype)[:, None, :]
         return cos, sin
 
 

@@ -14,6 +14,10 @@ import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+import hashlib
+import shutil
+import tempfile
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -108,7 +112,9 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return _gguf_config(_gguf_reader(source.path))
 
 
+@lru_cache(maxsize=2)
 def _gguf_reader(path: str) -> Any:
+    """GGUF files are memory-mapped; parsing the header takes seconds, so do it once."""
     import gguf
 
     return gguf.GGUFReader(path)
@@ -231,14 +237,14 @@ def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _init_dummy(model: CausalLM, seed: int) -> None:
+    """Random weights: N(0, 0.02), norms 1. Drawn on the CPU so a seed gives the same model
+    on every device."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
-        elif name.endswith(".bias"):
-            p.data.normal_(0.0, 0.02, generator=gen)
         else:
-            p.data.normal_(0.0, 0.02, generator=gen)
+            p.data.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))
 
 
 def load_model(
@@ -250,8 +256,12 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
 ) -> CausalLM:
-    """Build the model on the CPU in float32, fill it, then move it to device/dtype."""
-    model = CausalLM(cfg, max_positions)
+    """Build the model without initialising it (meta device), allocate it on the device in
+    the engine dtype, then fill it; RoPE tables stay float32."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.rope.build()
     if load_format == "dummy" or source.kind == "shape":
         _init_dummy(model, seed)
     else:
@@ -263,9 +273,6 @@ def load_model(
         missing = model.expected_weight_names() - loaded
         if missing:
             raise ValueError(f"model {source.name}: missing weights {sorted(missing)[:5]}")
-    model.rope.to(device)  # rope tables stay float32
-    for p in model.parameters():
-        p.data = p.data.to(device=device, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -279,6 +286,29 @@ def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
     if tok_source.kind == "gguf":
-        p = Path(tok_source.path)
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return _gguf_tokenizer(Path(tok_source.path))
     return AutoTokenizer.from_pretrained(tok_source.path, trust_remote_code=False)
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """Converting a GGUF vocabulary to a fast tokenizer takes seconds: do it once per file and
+    keep the result (tokenizer.json + chat template) in the user's cache."""
+    from transformers import AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = Path.home() / ".cache" / "cbgen" / "tokenizers" / key
+    if (cached / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception:  # a damaged cache entry: rebuild it below
+            shutil.rmtree(cached, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+            tokenizer.save_pretrained(tmp)
+            Path(tmp).rename(cached)
+    except OSError:
+        pass  # the cache is an optimisation only
+    return tokenizer
