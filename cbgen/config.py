@@ -7,6 +7,8 @@ the engine, not here: a config says what the user asked for.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -55,7 +57,8 @@ class EngineConfig:
     load_format: LoadFormat = "auto"
     """dummy: random weights for the model's shape (benchmarks without weights)."""
     seed: int = 0
-    """Seed for dummy weights and for sampling requests that give no seed of their own."""
+    """Seed for dummy weights and for sampling requests that give no seed of their own;
+    in [0, 2**32)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes seen before."""
     scheduling_policy: SchedulingPolicy = "continuous"
@@ -66,6 +69,15 @@ class EngineConfig:
     """CPU threads for torch. None: every core this process may use."""
 
     def __post_init__(self) -> None:
+        # types first, so that a wrong type is a ValueError naming the field, not a TypeError
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size"):
+            _int(getattr(self, name), name)
+        for name in ("kv_cache_memory", "max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                _int(getattr(self, name), name)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            _check(isinstance(getattr(self, name), bool), name, "must be true or false")
+        _num(self.gpu_memory_utilization, "gpu_memory_utilization")
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(
             self.max_num_batched_tokens >= 1,
@@ -102,6 +114,8 @@ class EngineConfig:
             "static_batch_size",
             f"must be >= 1, got {self.static_batch_size}",
         )
+        _int(self.seed, "seed")
+        _check(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
         _check(
             self.num_threads is None or self.num_threads >= 1,
             "num_threads",
@@ -135,6 +149,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    """Seeds this request's own generator, in [0, 2**64); None: derived from the engine seed."""
     stop: list[str] = field(default_factory=list)
     """Stop strings; left out of the returned text."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -147,7 +162,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(
+            isinstance(self.stop, Sequence),
+            "stop",
+            f"must be a string or a list of strings, got {self.stop!r}",
+        )
         self.stop = list(self.stop)
+        _check(
+            isinstance(self.stop_token_ids, Sequence) and not isinstance(self.stop_token_ids, str),
+            "stop_token_ids",
+            f"must be a list of token ids, got {self.stop_token_ids!r}",
+        )
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
@@ -171,6 +196,8 @@ class SamplingParams:
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _int(self.seed, "seed")
+            # the range a torch.Generator accepts without overflow
+            _check(0 <= self.seed < 2**64, "seed", f"must be in [0, 2**64), got {self.seed}")
         _check(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
@@ -231,7 +258,7 @@ def _int(value: object, name: str) -> None:
 
 def _num(value: object, name: str) -> None:
     _check(
-        isinstance(value, (int, float)) and not isinstance(value, bool),
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
         name,
-        f"must be a number, got {value!r}",
+        f"must be a finite number, got {value!r}",
     )

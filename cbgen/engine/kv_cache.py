@@ -11,7 +11,10 @@ Blocks are reference counted. A block whose count drops to 0 goes to the back of
 queue; new blocks come from the front, so the queue is also the eviction order of the prefix
 cache (least recently freed first). A full block may carry a hash of (parent hash, its token
 ids): while it sits in the free queue its contents stay reusable by any request whose prefix
-hashes the same and whose token ids match (a hash collision never shares a block).
+hashes the same and whose parent hash and token ids match. Each hit is checked against the
+stored (parent hash, token ids), and a prefix is walked from its first block, stopping at the
+first miss: so a forced equal hash (a collision) never shares a block, whether the two blocks
+differ in their tokens or only in what precedes them.
 
 The manager never picks a victim and never writes into a request: it answers "no room" with
 None and the scheduler decides what to do.
@@ -43,8 +46,10 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    parent_hash: BlockHash | None = None
+    """The hash of the block before this one in its sequence (None for a first block)."""
     token_ids: tuple[int, ...] | None = None
-    """The tokens a cached block holds, checked on every hit."""
+    """The tokens a cached block holds; with parent_hash, checked on every hit."""
 
 
 class BlockPool:
@@ -86,6 +91,7 @@ class BlockPool:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
             block.block_hash = None
+            block.parent_hash = None
             block.token_ids = None
             self.num_evictions += 1
 
@@ -105,21 +111,31 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = None
 
-    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVCacheBlock | None:
+    def lookup(
+        self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]
+    ) -> KVCacheBlock | None:
+        """The cached block with this hash, if it holds these tokens after this parent."""
         block_id = self.cached.get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        if block.token_ids != tuple(token_ids):
+        if block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
             return None  # a hash collision: never share
         return block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+    def cache_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+    ) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # another block already holds these tokens; this one stays private
         block.block_hash = block_hash
+        block.parent_hash = parent_hash
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block.block_id
 
@@ -137,8 +153,12 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.req_num_registered: dict[str, int] = {}
+        """How many of a request's leading blocks cache_blocks has already handled."""
         self.num_queries = 0
+        """Tokens of admitted requests (prompt + output so far), summed over admissions."""
         self.num_hits = 0
+        """Of those, tokens served from the prefix cache."""
 
     @property
     def num_blocks(self) -> int:
@@ -181,12 +201,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         hits: list[KVCacheBlock] = []
         for i in range(max_blocks):
-            block = self.pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
+            parent = hashes[i - 1] if i else None
+            block = self.pool.lookup(hashes[i], parent, tokens[i * bs : (i + 1) * bs])
             if block is None:
                 break
             hits.append(block)
-        self.num_queries += request.num_tokens
-        self.num_hits += len(hits) * bs
         return hits, len(hits) * bs
 
     def allocate_slots(
@@ -210,6 +229,9 @@ class KVCacheManager:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return None
+        if not blocks:  # an admission: count its hits once (a retry after "no room" is not)
+            self.num_queries += request.num_tokens
+            self.num_hits += len(computed_blocks) * self.block_size
         self.pool.touch(computed_blocks)
         new = self.pool.get_new_blocks(max(need, 0))
         blocks.extend(computed_blocks)
@@ -217,22 +239,33 @@ class KVCacheManager:
         return [b.block_id for b in computed_blocks] + [b.block_id for b in new]
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's full blocks whose KV is now written."""
+        """Register the request's full blocks whose KV is now written.
+
+        Each block is handled once (from the first not yet handled on), so a decode step costs
+        O(1) here rather than O(blocks held).
+        """
         if not self.enable_caching:
             return
+        rid = request.request_id
         bs = self.block_size
-        num_full = min(num_computed_tokens // bs, len(self.req_blocks.get(request.request_id, ())))
+        num_full = min(num_computed_tokens // bs, len(self.req_blocks.get(rid, ())))
+        start = self.req_num_registered.get(rid, 0)
+        if num_full <= start:
+            return
         hashes = self._hashes(request, num_full)
-        blocks = self.req_blocks[request.request_id]
+        blocks = self.req_blocks[rid]
         tokens = request.all_token_ids
-        for i in range(num_full):
-            self.pool.cache_block(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+        for i in range(start, num_full):
+            parent = hashes[i - 1] if i else None
+            self.pool.cache_block(blocks[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs])
+        self.req_num_registered[rid] = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so that a prefix outlives its tails."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.free_blocks(list(reversed(blocks)))
         self.req_hashes.pop(request.request_id, None)
+        self.req_num_registered.pop(request.request_id, None)
 
     @property
     def hit_rate(self) -> float:

@@ -81,9 +81,10 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
         drop = ranks >= k[:, None]
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # keep a token if the mass strictly before it is < top_p (the top token always stays)
+        # keep a token if the mass strictly before it is < top_p (the top token always stays);
+        # rows with top_p = 1 keep everything: their cumulative sum may round past 1.0
         before = probs.cumsum(dim=-1) - probs
-        drop |= before >= top_p[:, None]
+        drop |= (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     if bool((min_p > 0).any()):
@@ -97,6 +98,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         """logits [B, V] for the B requests in rows; returns one token id per row."""
         logits = logits.float()
+        vocab = logits.shape[-1]
         for i, row in enumerate(rows):
             p = row.params
             if p.has_penalties:
@@ -108,8 +110,11 @@ class Sampler:
                     p.presence_penalty,
                     p.frequency_penalty,
                 )
-            if row.num_output_tokens < p.min_tokens and row.stop_ids_for_min_tokens:
-                logits[i, list(row.stop_ids_for_min_tokens)] = float("-inf")
+            if row.num_output_tokens < p.min_tokens:
+                # a stop id outside the vocabulary can never be sampled: nothing to hold back
+                held = [t for t in row.stop_ids_for_min_tokens if t < vocab]
+                if held:
+                    logits[i, held] = float("-inf")
         out = logits.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:

@@ -9,6 +9,9 @@ with num_tokens (see request.py). The order of work in one step:
      the queue) until there is room or the request itself was the victim;
   2. waiting requests, FCFS, while slots, tokens and blocks allow; nobody is admitted in a
      step that preempted (the freed blocks would be handed straight back and forth).
+     Without chunked prefill a request is admitted only whole, except one that could never be
+     whole in one step (a preempted request recomputing prompt + output longer than the
+     budget): it is chunked, or it would block the queue for ever.
 
 The scheduler owns no tensors: it returns a SchedulerOutput of ids, token counts and block ids.
 """
@@ -174,8 +177,11 @@ class Scheduler:
             computed_blocks, num_cached = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_cached
             num_new = min(remaining, step.budget)
-            if not self.enable_chunked_prefill and num_new < remaining:
-                break
+            if (
+                not self.enable_chunked_prefill
+                and num_new < remaining <= self.max_num_batched_tokens
+            ):
+                break  # wait for a step with room for all of it
             new_blocks = self.kv.allocate_slots(req, num_new, computed_blocks)
             if new_blocks is None:
                 break
