@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,8 +31,10 @@ class LLM:
         prompts: Sequence[Prompt] | Prompt,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One result per prompt, in input order. A prompt that cannot run (empty, too long)
-        gets finish_reason="error" and a message; the others run as usual."""
+        """One result per prompt and sample, in input order (prompt-major: for n > 1 the n
+        samples of a prompt follow each other, with sample_index 0..n-1). A prompt that
+        cannot run (empty, too long) gets finish_reason="error" and a message; the others
+        run as usual. Sample i of a seeded request uses seed + i."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -46,15 +49,23 @@ class LLM:
         engine = self.engine
         results: dict[str, RequestOutput] = {}
         ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        order: list[str] = []
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            try:
-                engine.add_request(rid, prompt, p)
-            except ValueError as e:
-                results[rid] = error_output(rid, prompt if not isinstance(prompt, str) else [], str(e))
+            for i in range(p.n):
+                sid = f"{rid}-{i}"
+                order.append(sid)
+                try:
+                    sample = p.replace(n=1, seed=None if p.seed is None else p.seed + i)
+                    engine.add_request(sid, prompt, sample)
+                except ValueError as e:
+                    tokens = prompt if isinstance(prompt, list) else []
+                    results[sid] = error_output(sid, tokens, str(e))
         while engine.has_unfinished_requests():
             for out in engine.step().finished:
                 results[out.request_id] = out
-        return [results[rid] for rid in ids]
+        return [
+            dataclasses.replace(results[sid], sample_index=int(sid.rsplit("-", 1)[1])) for sid in order
+        ]
 
 
 def error_output(request_id: str, prompt_token_ids: Sequence[int], message: str) -> RequestOutput:

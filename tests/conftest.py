@@ -91,7 +91,7 @@ def smollm2_engine() -> Any:
     """The real model in cbgen, loaded once per test session (float32, CPU)."""
     from cbgen.engine.engine import Engine
 
-    return Engine(max_num_seqs=16, kv_cache_memory=256 << 20, device="cpu", dtype="float32")
+    return Engine(max_num_seqs=16, kv_cache_memory=256 << 20, device="cpu", dtype="float32", num_threads=1)
 
 
 @pytest.fixture(scope="session")

@@ -112,7 +112,7 @@ def test_tiny_models_greedy_match_transformers(kind: str, tiny_model_dir: Callab
     folder = tiny_model_dir(kind)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in TINY_PROMPTS]
-    base = Engine(EngineConfig(model=str(folder), device="cpu", dtype="float32", kv_cache_memory=8 << 20, block_size=4))
+    base = Engine(EngineConfig(model=str(folder), device="cpu", dtype="float32", kv_cache_memory=8 << 20, block_size=4, num_threads=1))
     for name, overrides in settings([len(p) for p in TINY_PROMPTS], base).items():
         got, preemptions = run_cbgen(base, overrides, TINY_PROMPTS)
         if name == "preempt":

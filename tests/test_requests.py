@@ -231,7 +231,6 @@ def test_stop_strings_end_generation_and_are_left_out_of_the_text(engine: Engine
     assert (out3.output_token_ids, out3.finish_reason, out3.stop_reason) == (tokens, "length", None)
 
 
-@pytest.mark.xfail(strict=True, reason="engine.py: stop strings are not checked for a request that hit max_tokens in the same step")
 def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(engine: Engine) -> None:
     free = greedy(engine, PROMPT)
     stop = engine.tokenizer.decode(free.output_token_ids[4:6], skip_special_tokens=True)
@@ -240,7 +239,6 @@ def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(engine: E
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, free.text[: free.text.index(stop)])
 
 
-@pytest.mark.xfail(strict=True, reason="engine.py: stop strings are checked before min_tokens tokens exist")
 def test_stop_strings_wait_for_min_tokens(engine: Engine) -> None:
     free = greedy(engine, PROMPT)
     stop = engine.tokenizer.decode(free.output_token_ids[4:6], skip_special_tokens=True)
@@ -248,7 +246,6 @@ def test_stop_strings_wait_for_min_tokens(engine: Engine) -> None:
     assert len(out.output_token_ids) >= 8
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="engine.py: a prompt neither text nor token ids raises TypeError")
 def test_a_prompt_of_the_wrong_type_is_an_error_result(engine: Engine) -> None:
     outs = LLM(engine=engine).generate([None, PROMPT], GREEDY)  # type: ignore[list-item]
     assert outs[0].finish_reason == "error" and outs[0].error is not None and outs[0].error.startswith("prompt:")

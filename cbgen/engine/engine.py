@@ -188,8 +188,15 @@ class Engine:
     ) -> Request:
         """Queue one request. Raises ValueError (and changes nothing) if it can never run."""
         params = params or SamplingParams()
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            token_ids = self.tokenize(prompt)
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            token_ids = list(prompt)
+        else:
+            raise ValueError(f"prompt: must be text or a list of token ids, got {type(prompt).__name__}")
         self.validate_request(token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._request_counter
         self._request_counter += 1
         req = Request(
@@ -199,9 +206,12 @@ class Engine:
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
             eos_token_id=self.eos_token_id,
         )
-        self.scheduler.add_request(req)
-        stop_ids = tuple(params.stop_token_ids) + (() if self.eos_token_id is None else (self.eos_token_id,))
+        # Held back while fewer than min_tokens exist; EOS only when it would stop generation.
+        stop_ids = tuple(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop_ids += (self.eos_token_id,)
         self.runner.add_request(request_id, NewRequestInfo(len(token_ids), params, seed, stop_ids))
+        self.scheduler.add_request(req)
         return req
 
     def validate_request(self, token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -247,29 +257,43 @@ class Engine:
         sampled = self.runner.execute(out)
         now = time.perf_counter()
         finished = self.scheduler.update_from_output(out, sampled, now)
-        finished += self._check_stop_strings(out, sampled, now)
+        finished += self._check_stop_strings(sampled, finished, now)
         self.total_preemptions += len(out.preempted_ids)
         return StepOutput(
             finished=[self._output(r) for r in finished],
             stats=self._stats(out, t0, now),
         )
 
-    def _check_stop_strings(self, out: SchedulerOutput, sampled: dict[str, int], now: float) -> list[Request]:
+    def _check_stop_strings(self, sampled: dict[str, int], finished: list[Request], now: float) -> list[Request]:
+        """Finish requests whose newest token completed a stop string (once min_tokens exist).
+        A request that reached max_tokens on that same token is marked stopped too."""
+        just_finished = {r.request_id: r for r in finished}
         hits = []
         for rid in sampled:
-            req = self.scheduler.requests.get(rid)
-            if req is None or not req.sampling_params.stop or req.is_finished:
+            req = self.scheduler.requests.get(rid) or just_finished.get(rid)
+            if req is None or not req.sampling_params.stop or req.status == RequestStatus.FINISHED_STOPPED:
                 continue
-            text = self._decode(req.output_token_ids)
-            if any(s in text for s in req.sampling_params.stop):
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = min(
-                    (s for s in req.sampling_params.stop if s in text), key=text.index
-                )
+            if req.num_output_tokens < req.sampling_params.min_tokens:
+                continue
+            stop = self._find_stop_string(req)
+            if stop is None:
+                continue
+            req.stop_reason = stop
+            if not req.is_finished:
                 hits.append(req)
+            req.status = RequestStatus.FINISHED_STOPPED
         if hits:
             self.scheduler.finish(hits, now)
         return hits
+
+    def _find_stop_string(self, req: Request) -> str | None:
+        """The stop string that the newest tokens complete, if any. Only the tail is decoded:
+        a stop string of L characters spans at most L tokens (plus a few partial bytes)."""
+        stops = req.sampling_params.stop
+        window = max(len(s) for s in stops) + 8
+        text = self._decode(req.output_token_ids[-window:])
+        found = [(text.find(s), s) for s in stops if s in text]
+        return min(found)[1] if found else None
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -277,7 +301,10 @@ class Engine:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def _output(self, req: Request) -> RequestOutput:
-        text = self._decode(req.output_token_ids)
+        tokens = req.output_token_ids
+        if req.status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str):
+            tokens = tokens[:-1]  # the stop token (EOS or a stop id) is not part of the text
+        text = self._decode(tokens)
         if isinstance(req.stop_reason, str) and req.stop_reason in text:
             text = text[: text.index(req.stop_reason)]
         return RequestOutput(

@@ -20,6 +20,8 @@ class RequestOutput:
     num_cached_tokens: int
     stop_reason: str | int | None
     metrics: RequestMetrics
+    sample_index: int = 0
+    """Which of a prompt's n samples this is."""
 
     @property
     def num_prompt_tokens(self) -> int:
