@@ -344,13 +344,14 @@ def test_shared_prefix_is_taken_from_the_cache_with_exact_block_ids() -> None:
     p = list(range(40, 50))  # 10 tokens: 2 full blocks + 2
     a, twin = make_request("a", p, 1), make_request("twin", p, 1)
     steps = run(sched, [a, twin], runner)
-    # admitted together, before anything is cached: both compute everything
-    assert rows(steps[0]) == [Row("a", 0, 10, (0, 1, 2), True, True), Row("twin", 0, 10, (3, 4, 5), True, True)]
-    assert steps[0].num_cached_tokens == 0
-    # twin's equal blocks stayed private; the free queue is [6..15, 2, 1, 0, 5, 4, 3]
+    # admitted in the same step: a's full blocks are cached as soon as they are scheduled, so
+    # twin shares them at once and computes only its last partial block
+    assert rows(steps[0]) == [Row("a", 0, 10, (0, 1, 2), True, True), Row("twin", 8, 2, (0, 1, 3), True, True)]
+    assert steps[0].num_cached_tokens == 8
+    # blocks 4.. were never used, so they head the free queue; 0 and 1 stay cached
     b = make_request("b", [*p[:8], 7, 7], 2)
     steps = run(sched, [b], runner)
-    assert rows(steps[0]) == [Row("b", 8, 2, (0, 1, 6), True, True)]
+    assert rows(steps[0]) == [Row("b", 8, 2, (0, 1, 4), True, True)]
     assert steps[0].num_cached_tokens == 8 and b.num_cached_tokens == 8
     assert runner.num_context_reads >= 8  # b attended to a's K/V, checked slot by slot
 

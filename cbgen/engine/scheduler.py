@@ -13,6 +13,12 @@ with num_tokens (see request.py). The order of work in one step:
      whole in one step (a preempted request recomputing prompt + output longer than the
      budget): it is chunked, or it would block the queue for ever.
 
+Full blocks enter the prefix cache as soon as they are scheduled: every backend writes a
+layer's new K/V for the whole flat batch before any query attends, so a request admitted
+later in the same step (another sample of the same prompt, say) can already share them. A
+block scheduled in a step is never freed in that step: victims of preemption come from the
+tail of the running list, which has not been scheduled yet.
+
 The scheduler owns no tensors: it returns a SchedulerOutput of ids, token counts and block ids.
 """
 
@@ -160,6 +166,7 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(req, num_new)
             if new_blocks is None:
                 break  # req itself was preempted; everyone after it already was
+            self.kv.cache_blocks(req, req.num_computed_tokens + num_new)
             step.add(req, num_new, new_blocks, readmitted=False)
             i += 1
 
@@ -193,6 +200,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.cached += num_cached
+            self.kv.cache_blocks(req, req.num_computed_tokens + num_new)
             step.add(req, num_new, new_blocks, readmitted=True)
 
     # ---- after the forward pass -----------------------------------------------------
@@ -210,7 +218,6 @@ class Scheduler:
         for s in output.scheduled:
             req = self.requests[s.request_id]
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(req, req.num_computed_tokens)
             if not s.will_sample:
                 continue
             token = sampled[s.request_id]
