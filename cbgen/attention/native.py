@@ -15,8 +15,12 @@ from pathlib import Path
 
 import torch
 
-_SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
+_SRCS = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "fused_ops.c")]
+# No FMA contraction: the fused element-wise ops must round like the torch ops they replace.
+_FLAGS = [
+    "-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-ffp-contract=off",
+    "-fopenmp", "-shared", "-fPIC",
+]
 
 
 def _cache_dir() -> Path:
@@ -29,7 +33,7 @@ def load_library() -> ctypes.CDLL | None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    src = _SRC.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SRCS)
     key = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"cbgen_cpu_{key}.so"
     try:
@@ -38,7 +42,7 @@ def load_library() -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
                 tmp_lib = Path(tmp) / lib_path.name
                 subprocess.run(
-                    [cc, *_FLAGS, str(_SRC), "-o", str(tmp_lib), "-lm"],
+                    [cc, *_FLAGS, *map(str, _SRCS), "-o", str(tmp_lib), "-lm"],
                     check=True,
                     capture_output=True,
                 )
@@ -50,6 +54,12 @@ def load_library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
     fn.restype = ctypes.c_int
+    lib.cbgen_add_rmsnorm_f32.argtypes = [p, p, p, ctypes.c_float, i64, i64, p]
+    lib.cbgen_add_rmsnorm_f32.restype = None
+    lib.cbgen_silu_mul_f32.argtypes = [p, i64, i64, p]
+    lib.cbgen_silu_mul_f32.restype = None
+    lib.cbgen_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p, p]
+    lib.cbgen_rope_f32.restype = None
     return lib
 
 
@@ -89,3 +99,41 @@ def paged_decode_f32(
     if rc != 0:
         return None
     return out
+
+
+# ---- fused element-wise ops (float32, contiguous rows; callers check availability) ------
+
+
+def add_rmsnorm_(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (when given), in place; returns weight * rmsnorm(residual)."""
+    lib = load_library()
+    assert lib is not None
+    t, h = residual.shape
+    out = torch.empty_like(residual)
+    lib.cbgen_add_rmsnorm_f32(
+        residual.data_ptr(), None if x is None else x.data_ptr(), weight.data_ptr(), eps, t, h, out.data_ptr()
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> silu(gate) * up, [T, I]."""
+    lib = load_library()
+    assert lib is not None
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
+    lib.cbgen_silu_mul_f32(gate_up.data_ptr(), t, two_i // 2, out.data_ptr())
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate, in place, the first `heads` heads of each row of x [T, >= heads * head_dim]."""
+    lib = load_library()
+    assert lib is not None
+    lib.cbgen_rope_f32(
+        x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr()
+    )
+
+
+def fused_ops_available() -> bool:
+    return load_library() is not None

@@ -167,6 +167,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
+        self.fused_cpu_ops = False
+        """Use the fused C element-wise ops (set by the loader on the CPU in float32)."""
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -181,6 +183,8 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if self.fused_cpu_ops:
+            return self._forward_fused(h, positions, kv_caches, meta, backend)
         rope = self.rope.tables(positions, h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             residual = h
@@ -189,6 +193,50 @@ class CausalLM(nn.Module):
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
+
+    def _forward_fused(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """The same computation on the CPU in float32 with the fused C ops of
+        cbgen.attention.native: residual add + RMSNorm, RoPE in place, SiLU x up.
+
+            residual += h;  x = norm(residual)      (what the reference writes as
+            h = block(x)                             h = residual + block(norm(h)))
+        """
+        from cbgen.attention import native
+
+        eps = self.config.rms_norm_eps
+        cos, sin = self.rope.cos, self.rope.sin
+        positions = positions.contiguous()
+        residual = h
+        x = native.add_rmsnorm_(residual, None, self.layers[0].input_layernorm.weight, eps)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i:
+                x = native.add_rmsnorm_(residual, h, layer.input_layernorm.weight, eps)
+            attn = layer.self_attn
+            t = x.shape[0]
+            qkv = attn.qkv_proj(x)
+            q_end, k_end = attn.q_size, attn.q_size + attn.kv_size
+            if attn.q_norm is not None and attn.k_norm is not None:
+                q = attn.q_norm(qkv[:, :q_end].view(t, attn.num_heads, attn.head_dim)).contiguous()
+                k = attn.k_norm(qkv[:, q_end:k_end].view(t, attn.num_kv_heads, attn.head_dim)).contiguous()
+                native.rope_(q.view(t, -1), attn.num_heads, attn.head_dim, positions, cos, sin)
+                native.rope_(k.view(t, -1), attn.num_kv_heads, attn.head_dim, positions, cos, sin)
+            else:
+                native.rope_(qkv, attn.num_heads + attn.num_kv_heads, attn.head_dim, positions, cos, sin)
+                q = qkv[:, :q_end].view(t, attn.num_heads, attn.head_dim)
+                k = qkv[:, q_end:k_end].view(t, attn.num_kv_heads, attn.head_dim)
+            v = qkv[:, k_end:].view(t, attn.num_kv_heads, attn.head_dim)
+            o = backend.forward(q, k, v, kv_cache, meta, attn.scale)
+            h = attn.o_proj(o.reshape(t, attn.q_size))
+            x = native.add_rmsnorm_(residual, h, layer.post_attention_layernorm.weight, eps)
+            h = layer.mlp.down_proj(native.silu_mul(layer.mlp.gate_up_proj(x)))
+        return native.add_rmsnorm_(residual, h, self.norm.weight, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head_weight

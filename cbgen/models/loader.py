@@ -275,6 +275,10 @@ def load_model(
             raise ValueError(f"model {source.name}: missing weights {sorted(missing)[:5]}")
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cpu" and dtype == torch.float32:
+        from cbgen.attention.native import fused_ops_available
+
+        model.fused_cpu_ops = fused_ops_available()
     return model
 
 

@@ -1,0 +1,63 @@
+"""The CPU C kernels (cbgen/attention/csrc) against the torch formulations they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cbgen.attention import native, torch_backend
+from cbgen.models.llama import RMSNorm, apply_rope
+
+pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler")
+
+
+def test_add_rmsnorm_matches_residual_add_then_rmsnorm() -> None:
+    torch.manual_seed(0)
+    for t in (1, 7, 600):  # 600 x 576 crosses the threshold where the kernel goes parallel
+        res, x = torch.randn(t, 576), torch.randn(t, 576)
+        norm = RMSNorm(576, 1e-5)
+        norm.weight.data.uniform_(0.5, 1.5)
+        want_res = res + x
+        want = norm(want_res)
+        got = native.add_rmsnorm_(res, x, norm.weight.data, 1e-5)
+        assert torch.equal(res, want_res)  # the residual stream is bit-identical
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+        only = native.add_rmsnorm_(want_res.clone(), None, norm.weight.data, 1e-5)
+        torch.testing.assert_close(only, want, rtol=2e-6, atol=2e-6)
+
+
+def test_silu_mul_matches_torch() -> None:
+    torch.manual_seed(1)
+    gate_up = torch.randn(33, 2 * 96) * 4
+    gate, up = gate_up.split(96, dim=-1)
+    torch.testing.assert_close(native.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_in_place_is_bit_identical_to_the_reference_formula() -> None:
+    torch.manual_seed(2)
+    t, heads, d = 9, 5, 64
+    qkv = torch.randn(t, heads * d + 3 * d)  # extra columns after the rotated heads stay put
+    positions = torch.tensor([0, 1, 2, 17, 100, 3, 4, 511, 9])
+    freqs = torch.arange(512, dtype=torch.float32)[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = freqs.cos(), freqs.sin()
+    want = apply_rope(qkv[:, : heads * d].view(t, heads, d), cos[positions][:, None], sin[positions][:, None])
+    tail = qkv[:, heads * d :].clone()
+    native.rope_(qkv, heads, d, positions, cos, sin)
+    assert torch.equal(qkv[:, : heads * d].view(t, heads, d), want)
+    assert torch.equal(qkv[:, heads * d :], tail)
+
+
+@pytest.mark.parametrize(("group", "block_size"), [(1, 16), (3, 4), (8, 32)])
+def test_paged_decode_matches_the_torch_reference(group: int, block_size: int) -> None:
+    torch.manual_seed(3)
+    hkv, d, num_blocks = 2, 64, 40
+    kv = torch.randn(2, num_blocks, block_size, hkv, d)
+    seq_lens = torch.tensor([1, block_size, block_size + 1, 5 * block_size - 3], dtype=torch.int32)
+    b = len(seq_lens)
+    block_table = torch.stack([torch.randperm(num_blocks)[:8] for _ in range(b)]).int()
+    q = torch.randn(b, hkv * group, d)
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    want = torch_backend.paged_attention(q, kv, block_table, qsl, seq_lens, 0.125)
+    got = native.paged_decode_f32(q, kv, block_table, seq_lens, 0.125)
+    assert got is not None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
