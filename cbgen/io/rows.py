@@ -1,0 +1,317 @@
+"""Input rows: one prompt (raw text, token ids or chat messages), its id and its per-row
+sampling overrides, parsed from a JSON object or a Parquet record.
+
+A row that cannot be used is still an `InputRow`, with `error` naming the problem and where
+it is (`line 7: ...` for JSONL, `row 6: ...` for Parquet), so that it becomes an output row
+with finish_reason="error" and the run goes on.
+
+Three JSON shapes are understood:
+
+    {"id": 7, "prompt": "text", "max_tokens": 32}                       raw prompt
+    {"id": "a", "messages": [{"role": "user", "content": "hi"}]}        chat (template applied)
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "...", "messages": [...], "max_tokens": 32}}      OpenAI Batch API
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbgen.config import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+# OpenAI body fields with another name here.
+OPENAI_ALIASES = {"max_completion_tokens": "max_tokens"}
+SAMPLING_FIELDS = frozenset(SamplingParams.field_names())
+
+Prompt = str | list[int]
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """Which fields of a row hold what. None picks the default names."""
+
+    prompt_column: str | None = None
+    """None: `prompt` (text or token ids) or `messages` (chat), whichever the row has."""
+    id_column: str | None = None
+    """None: `id`, or `custom_id` for OpenAI batch rows; a row without one gets its index."""
+    keep_columns: tuple[str, ...] = ()
+    """Fields copied through to the output unchanged."""
+
+
+@dataclass(frozen=True)
+class InputRow:
+    row: int
+    """0-based index among the input's data rows (blank JSONL lines are not rows)."""
+    where: str
+    """Human position for messages: 'line 7' (JSONL, 1-based) or 'row 6' (Parquet)."""
+    id: str
+    prompt: Prompt | None = None
+    messages: Messages | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """SamplingParams fields given by the row; validated when the params are built."""
+    keep: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    """Set when the row is unusable: the message already starts with `where`."""
+
+
+@dataclass(frozen=True)
+class RowFilter:
+    """Rows this process owns: row % modulus == remainder (shards, data-parallel workers)."""
+
+    modulus: int = 1
+    remainder: int = 0
+
+    def __post_init__(self) -> None:
+        if self.modulus < 1 or not 0 <= self.remainder < self.modulus:
+            raise ValueError(f"row filter: need 0 <= {self.remainder} < {self.modulus}")
+
+    def __call__(self, row: int) -> bool:
+        return row % self.modulus == self.remainder
+
+    def split(self, parts: int, index: int) -> RowFilter:
+        """The index-th of `parts` round-robin sub-filters: among the rows this filter owns,
+        take every parts-th one. rows r = rem + mod*j go to sub-filter j % parts."""
+        return RowFilter(self.modulus * parts, self.remainder + self.modulus * index)
+
+    def count(self, total: int) -> int:
+        """How many of rows 0..total-1 this filter owns."""
+        return max(0, (total - self.remainder + self.modulus - 1) // self.modulus)
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(f"shard: need 0 <= I < N in I/N, got {self.index}/{self.count}")
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """'3/8' -> Shard(3, 8); ValueError naming the problem otherwise."""
+        parts = text.strip().split("/")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"shard: expected I/N such as 0/4, got {text!r}")
+        return cls(int(parts[0]), int(parts[1]))
+
+    @classmethod
+    def from_slurm(cls, env: Mapping[str, str]) -> Shard | None:
+        """The shard of a Slurm job-array task, or None outside an array. Arrays that start at
+        1 or step (`--array=1-8`, `--array=0-14:2`) map onto 0..N-1 through MIN and STEP."""
+        task, count = env.get("SLURM_ARRAY_TASK_ID"), env.get("SLURM_ARRAY_TASK_COUNT")
+        if task is None or count is None:
+            return None
+        try:
+            tid, n = int(task), int(count)
+            lo = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+            step = int(env.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
+        except ValueError as e:
+            raise ValueError(f"shard: unreadable Slurm array variables: {e}") from None
+        if (tid - lo) % step:
+            raise ValueError(f"shard: SLURM_ARRAY_TASK_ID={tid} is not on the array's step {step}")
+        index = (tid - lo) // step
+        if not 0 <= index < n:
+            raise ValueError(
+                f"shard: SLURM_ARRAY_TASK_ID={tid} gives shard {index}, outside 0..{n - 1}; "
+                "use a contiguous array such as --array=0-N or pass --shard I/N"
+            )
+        return cls(index, n)
+
+    @property
+    def filter(self) -> RowFilter:
+        return RowFilter(self.count, self.index)
+
+    @property
+    def label(self) -> str:
+        return f"part-{self.index:05d}-of-{self.count:05d}"
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+class RowError(ValueError):
+    """A problem with one row; the message does not include the row's position."""
+
+
+def parse_json_line(raw: bytes, row: int, lineno: int, spec: ColumnSpec) -> InputRow:
+    """One JSONL line (already known not to be blank) -> InputRow, errors included."""
+    where = f"line {lineno}"
+    try:
+        obj = json.loads(
+            raw.decode("utf-8").removeprefix("\ufeff")
+        )  # a UTF-8 BOM may open the file
+    except UnicodeDecodeError as e:
+        return error_row(row, where, f"is not valid UTF-8 (byte {e.start + 1})")
+    except json.JSONDecodeError as e:
+        return error_row(row, where, f"invalid JSON: {e.msg} (column {e.colno})")
+    if not isinstance(obj, dict):
+        return error_row(row, where, f"expected a JSON object, got {type(obj).__name__}")
+    keep = {name: _json_text(obj.get(name)) for name in spec.keep_columns}
+    return parse_mapping(obj, row, where, spec, keep)
+
+
+def parse_mapping(
+    obj: Mapping[str, Any], row: int, where: str, spec: ColumnSpec, keep: dict[str, Any]
+) -> InputRow:
+    """A row as a mapping of field -> value (a JSON object or a Parquet record)."""
+    source: Mapping[str, Any] = obj
+    openai = is_openai_batch_row(obj)
+    id_field = spec.id_column or ("custom_id" if openai else "id")
+    row_id = str(row)
+    try:
+        row_id = _row_id(obj.get(id_field), id_field, row)
+        if openai:
+            source = _openai_body(obj)
+        prompt, messages = _prompt_of(source, spec.prompt_column)
+        overrides = _overrides(source, openai)
+    except RowError as e:
+        return InputRow(row, where, row_id, keep=keep, error=f"{where}: {e}")
+    return InputRow(row, where, row_id, prompt, messages, overrides, keep)
+
+
+def error_row(row: int, where: str, problem: str) -> InputRow:
+    return InputRow(row, where, str(row), error=f"{where}: {problem}")
+
+
+def is_openai_batch_row(obj: Mapping[str, Any]) -> bool:
+    return isinstance(obj.get("body"), dict) and any(
+        k in obj for k in ("custom_id", "url", "method")
+    )
+
+
+def _openai_body(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    method = obj.get("method", "POST")
+    if method != "POST":
+        raise RowError(f"method: only POST is supported, got {method!r}")
+    body: Mapping[str, Any] = obj["body"]
+    url = obj.get("url")
+    if url is not None:
+        if url not in OPENAI_URLS:
+            raise RowError(f"url: {url!r} is not supported (use {' or '.join(OPENAI_URLS)})")
+        want = OPENAI_URLS[url]
+        if want not in body:
+            raise RowError(f"body: {url} needs a {want!r} field")
+    return body
+
+
+def _row_id(value: Any, name: str, row: int) -> str:
+    if value is None:
+        return str(row)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise RowError(f"{name}: must be a string or a number, got {_describe(value)}")
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _prompt_of(
+    source: Mapping[str, Any], column: str | None
+) -> tuple[Prompt | None, Messages | None]:
+    if column is not None:
+        if source.get(column) is None:
+            raise RowError(f"no prompt: the {column!r} field is missing or null")
+        value = source[column]
+        if isinstance(value, list) and value and all(isinstance(m, Mapping) for m in value):
+            return None, _messages(value, column)
+        return _prompt(value, column), None
+    has_prompt = source.get("prompt") is not None
+    has_messages = source.get("messages") is not None
+    if has_prompt and has_messages:
+        raise RowError("give either 'prompt' or 'messages', not both")
+    if has_prompt:
+        return _prompt(source["prompt"], "prompt"), None
+    if has_messages:
+        return None, _messages(source["messages"], "messages")
+    raise RowError("no prompt: give a 'prompt' (text or token ids) or 'messages' (chat) field")
+
+
+def _prompt(value: Any, name: str) -> Prompt:
+    if isinstance(value, str):
+        if not value:
+            raise RowError(f"{name}: is empty")
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        return list(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(t, str) for t in value):
+        raise RowError(f"{name}: a list of {len(value)} prompts; give one prompt per row")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return _prompt(value[0], name)
+    raise RowError(f"{name}: must be a string or a list of token ids, got {_describe(value)}")
+
+
+def _messages(value: Any, name: str) -> Messages:
+    if not isinstance(value, list) or not value:
+        raise RowError(
+            f"{name}: must be a non-empty list of {{role, content}} objects, got {_describe(value)}"
+        )
+    out: Messages = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping):
+            raise RowError(
+                f"{name}[{i}]: must be an object with role and content, got {_describe(m)}"
+            )
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise RowError(
+                f"{name}[{i}].role: unknown role {role!r} (expected {', '.join(CHAT_ROLES)})"
+            )
+        out.append({"role": role, "content": _content(m.get("content"), f"{name}[{i}].content")})
+    return out
+
+
+def _content(value: Any, name: str) -> str:
+    """A string, or OpenAI's list of parts [{"type": "text", "text": ...}] (text parts only)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, Mapping) for p in value):
+        texts = []
+        for j, part in enumerate(value):
+            if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+                raise RowError(f"{name}[{j}]: only text parts are supported, got {_describe(part)}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RowError(f"{name}: must be a string, got {_describe(value)}")
+
+
+def _overrides(source: Mapping[str, Any], openai: bool) -> dict[str, Any]:
+    out = {k: v for k, v in source.items() if k in SAMPLING_FIELDS and v is not None}
+    if openai:
+        for alias, name in OPENAI_ALIASES.items():
+            if source.get(alias) is not None:
+                out[name] = source[alias]
+    return out
+
+
+def make_params(defaults: SamplingParams, overrides: Mapping[str, Any]) -> SamplingParams:
+    """The row's params: defaults with its overrides; RowError naming the field when invalid."""
+    if not overrides:
+        return defaults
+    try:
+        return defaults.replace(**overrides)
+    except (ValueError, TypeError) as e:
+        raise RowError(str(e)) from None
+
+
+def _json_text(value: Any) -> str | None:
+    """A pass-through JSONL value as text: strings as they are, anything else as JSON."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _describe(value: Any) -> str:
+    text = (
+        json.dumps(value, ensure_ascii=False, default=repr)
+        if not isinstance(value, str)
+        else repr(value)
+    )
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,95 @@
+"""The output table: one row per (input row, sample), failed rows included.
+
+    id | row | sample_index | prompt_tokens | cached_tokens | completion | completion_tokens |
+    finish_reason | stop_reason | error | queue_s | ttft_s | tpot_s | itl_p50_s | itl_p99_s |
+    itl_max_s | e2e_s | num_preemptions | <pass-through columns>
+
+Latencies are seconds on one monotonic clock (time.perf_counter), measured from the moment
+the request entered the engine; for a successful row 0 <= queue_s <= ttft_s <= e2e_s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+
+from cbgen.engine.outputs import RequestOutput
+from cbgen.io.rows import InputRow
+
+LATENCY_COLUMNS = ("queue_s", "ttft_s", "tpot_s", "itl_p50_s", "itl_p99_s", "itl_max_s", "e2e_s")
+
+BASE_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("id", pa.string(), nullable=False),
+    pa.field("row", pa.int64(), nullable=False),
+    pa.field("sample_index", pa.int32(), nullable=False),
+    pa.field("prompt_tokens", pa.int32()),
+    pa.field("cached_tokens", pa.int32()),
+    pa.field("completion", pa.string()),
+    pa.field("completion_tokens", pa.int32()),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("stop_reason", pa.string()),
+    pa.field("error", pa.string()),
+    *(pa.field(c, pa.float64()) for c in LATENCY_COLUMNS),
+    pa.field("num_preemptions", pa.int32()),
+)
+BASE_NAMES = frozenset(f.name for f in BASE_FIELDS)
+
+
+def output_schema(keep_types: Mapping[str, pa.DataType]) -> pa.Schema:
+    """The base columns, then the pass-through columns in the order given."""
+    clash = sorted(BASE_NAMES & set(keep_types))
+    if clash:
+        raise ValueError(
+            f"keep_columns: {', '.join(clash)} would clash with output columns of the same name"
+        )
+    return pa.schema([*BASE_FIELDS, *(pa.field(n, t) for n, t in keep_types.items())])
+
+
+def ok_record(row: InputRow, sample_index: int, out: RequestOutput) -> dict[str, Any]:
+    m = out.metrics
+    rec: dict[str, Any] = {
+        "id": row.id,
+        "row": row.row,
+        "sample_index": sample_index,
+        "prompt_tokens": out.num_prompt_tokens,
+        "cached_tokens": out.num_cached_tokens,
+        "completion": out.text,
+        "completion_tokens": out.num_output_tokens,
+        "finish_reason": out.finish_reason,
+        "stop_reason": None if out.stop_reason is None else str(out.stop_reason),
+        "error": out.error,
+        "queue_s": m.queue_s,
+        "ttft_s": m.ttft_s,
+        "tpot_s": m.tpot_s,
+        "itl_p50_s": m.itl_p50_s,
+        "itl_p99_s": m.itl_p99_s,
+        "itl_max_s": m.itl_max_s,
+        "e2e_s": m.e2e_s,
+        "num_preemptions": out.num_preemptions,
+    }
+    rec.update(row.keep)
+    return rec
+
+
+def error_record(
+    row: InputRow, message: str, prompt_tokens: int | None = None, sample_index: int = 0
+) -> dict[str, Any]:
+    """A failed row: finish_reason 'error', the message, no completion and no latencies."""
+    rec: dict[str, Any] = {
+        "id": row.id,
+        "row": row.row,
+        "sample_index": sample_index,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": 0,
+        "completion": None,
+        "completion_tokens": 0,
+        "finish_reason": "error",
+        "stop_reason": None,
+        "error": message,
+        **dict.fromkeys(LATENCY_COLUMNS),
+        "num_preemptions": 0,
+    }
+    rec.update(row.keep)
+    return rec
