@@ -114,10 +114,17 @@ def attend(
     if native and plan.decode_tokens.numel() and query.dtype == kv_cache.dtype == torch.float32:
         from cbgen.attention.native import paged_decode_f32
 
+        all_decodes = plan.decode_tokens.shape[0] == num_tokens  # then token i is decode i
         o = paged_decode_f32(
-            query[plan.decode_tokens], kv_cache, plan.decode_blocks, plan.decode_seq_lens, scale
+            query if all_decodes else query[plan.decode_tokens],
+            kv_cache,
+            plan.decode_blocks,
+            plan.decode_seq_lens,
+            scale,
         )
         if o is not None:
+            if all_decodes:
+                return o
             out[plan.decode_tokens] = o
             decoded = True
     if plan.decode_tokens.numel() and not decoded:
