@@ -56,8 +56,6 @@ def load_library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     lib.cbgen_add_rmsnorm_f32.argtypes = [p, p, p, ctypes.c_float, i64, i64, p]
     lib.cbgen_add_rmsnorm_f32.restype = None
-    lib.cbgen_silu_mul_f32.argtypes = [p, i64, i64, p]
-    lib.cbgen_silu_mul_f32.restype = None
     lib.cbgen_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p, p]
     lib.cbgen_rope_f32.restype = None
     return lib
@@ -113,16 +111,6 @@ def add_rmsnorm_(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.T
     lib.cbgen_add_rmsnorm_f32(
         residual.data_ptr(), None if x is None else x.data_ptr(), weight.data_ptr(), eps, t, h, out.data_ptr()
     )
-    return out
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> silu(gate) * up, [T, I]."""
-    lib = load_library()
-    assert lib is not None
-    t, two_i = gate_up.shape
-    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
-    lib.cbgen_silu_mul_f32(gate_up.data_ptr(), t, two_i // 2, out.data_ptr())
     return out
 
 

@@ -36,20 +36,6 @@ void cbgen_add_rmsnorm_f32(float *residual, const float *x, const float *w, floa
     }
 }
 
-/* gate_up [T, 2I] -> out [T, I]: silu(gate) * up, silu(g) = g / (1 + exp(-g)) */
-void cbgen_silu_mul_f32(const float *gate_up, int64_t T, int64_t I, float *out) {
-#pragma omp parallel for if (T * I >= PAR_MIN_ELEMS) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const float *g = gate_up + t * 2 * I;
-        const float *u = g + I;
-        float *o = out + t * I;
-        for (int64_t i = 0; i < I; ++i) {
-            const float s = g[i] / (1.0f + expf(-g[i]));
-            o[i] = s * u[i];
-        }
-    }
-}
-
 /* In-place RoPE (rotate-half form) on x [T, heads, D] with row stride row_stride (floats);
  * cos/sin tables [max_pos, D/2]; positions [T].
  *   [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] */
