@@ -6,6 +6,7 @@ produced tokens: 0 <= queue_s <= ttft_s <= e2e_s.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -45,7 +46,7 @@ class RequestMetrics:
         token_times: Sequence[float],
         finished: float | None,
     ) -> RequestMetrics:
-        itls = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+        itls = [b - a for a, b in itertools.pairwise(token_times)]
         return cls(
             arrival_time=arrival,
             queue_s=None if first_scheduled is None else first_scheduled - arrival,

@@ -10,14 +10,14 @@ Sources, all local (nothing is fetched from a hub):
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 import hashlib
+import importlib.util
 import shutil
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -223,7 +223,7 @@ def iter_gguf_weights(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torc
                 arr = _unpermute_rope(arr, cfg.num_attention_heads)
             elif name.endswith("k_proj.weight"):
                 arr = _unpermute_rope(arr, cfg.num_key_value_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy of the map
 
 
 def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -277,8 +277,11 @@ def load_model(
     model.requires_grad_(False)
     if device.type == "cpu" and dtype == torch.float32:
         from cbgen.attention.native import fused_ops_available
+        from cbgen.models.llama import onednn_packing_available
 
         model.fused_cpu_ops = fused_ops_available()
+        if onednn_packing_available():
+            model.pack_linear_weights()
     return model
 
 

@@ -92,9 +92,10 @@ def compile_all(arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> l
     """Compile every variant for sm_<arch>; raises on a compile error or a tile that exceeds
     the chip's shared memory."""
     import triton
-    from cbgen_kernels import interpreted
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from cbgen_kernels import interpreted
 
     if interpreted():
         raise RuntimeError("compile_check needs TRITON_INTERPRET unset (kernels are interpreted here)")
