@@ -1,0 +1,254 @@
+"""Drive one Engine through a workload, requests arriving at their arrival times, and record
+what happened: one RequestRecord per request, one StepRecord per engine step.
+
+    start                                                          end (last request done)
+      |-- a0 --- a1 ------- a2 -- ...                                 |
+      |  step | step | step | (idle until the next arrival) | step ...|
+    wall_s = end - start; every time below is seconds since start (one clock, perf_counter)
+
+A request that arrives while a step runs is added right after that step, but keeps its
+arrival time: the time it waited for the step is queue time, as it would be in a server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cbgen.bench.workloads import BenchRequest
+from cbgen.config import SamplingParams
+from cbgen.engine.engine import Engine
+from cbgen.engine.outputs import RequestOutput
+from cbgen.engine.request import Request
+from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    prompt_tokens: int
+    output_len: int
+    """Tokens asked for."""
+    output_tokens: int
+    """Tokens generated (equal to output_len unless the request failed)."""
+    cached_tokens: int
+    num_preemptions: int
+    finish_reason: str
+    error: str | None
+    arrival_s: float
+    queue_s: float | None
+    ttft_s: float | None
+    tpot_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    itl_max_s: float | None
+    e2e_s: float | None
+    itls_s: tuple[float, ...] = ()
+    """Every inter-token latency of this request (pooled for the ITL percentiles)."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    t_s: float
+    """When the step ended, since start."""
+    duration_s: float
+    num_running: int
+    num_scheduled: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_cached_tokens: int
+    num_preempted: int
+
+
+@dataclass
+class RunResult:
+    label: str
+    policy: str
+    slots: int
+    """Slot capacity: max_num_seqs, or the batch size of the static policy."""
+    requests: list[RequestRecord]
+    steps: list[StepRecord]
+    wall_s: float
+    warmup_s: float
+    num_preemptions: int
+    padding: PaddingStats | None
+    """Counted by the static scheduler; None under the continuous policy (nothing padded)."""
+    overrides: dict[str, object] = field(default_factory=dict)
+
+
+def bench_params(request: BenchRequest, index: int, seed: int) -> SamplingParams:
+    """Exactly output_len tokens whatever the model says; seeded sampling at temperature 1
+    (the usual throughput-benchmark setting), so that a run can be repeated."""
+    return SamplingParams(
+        max_tokens=request.output_len, ignore_eos=True, temperature=1.0, seed=seed * 1_000_003 + index
+    )
+
+
+def warm_up(engine: Engine, num_requests: int, seed: int) -> float:
+    """Run a few short random requests (prefill and decode) before timing; then drop what
+    they left in the prefix cache. Returns the seconds it took."""
+    if num_requests <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed + 7919)
+    vocab = engine.model_config.vocab_size
+    room = min(engine.max_model_len, engine.num_blocks * engine.config.block_size)
+    prompt_len = max(1, min(128, room // 2))
+    new_tokens = max(1, min(16, room - prompt_len))
+    for i in range(num_requests):
+        ids = [int(t) for t in rng.integers(0, vocab, size=prompt_len)]
+        try:
+            engine.add_request(f"warmup-{i}", ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=i))
+        except ValueError:
+            break  # a KV cache too small for this warm-up request: warm up with fewer
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv.pool.reset_prefix_cache()
+    return time.perf_counter() - t0
+
+
+def slot_capacity(engine: Engine) -> int:
+    sched = engine.scheduler
+    if isinstance(sched, StaticScheduler):
+        return min(sched.static_batch_size, engine.config.max_num_seqs)
+    return engine.config.max_num_seqs
+
+
+def run_workload(
+    engine: Engine,
+    requests: Sequence[BenchRequest],
+    arrivals: Sequence[float],
+    *,
+    label: str,
+    seed: int = 0,
+    num_warmup: int = 4,
+    progress: Callable[[int, int, int, float], None] | None = None,
+    progress_every_s: float = 15.0,
+) -> RunResult:
+    """Run every request through the engine, each added at start + its arrival offset.
+    progress(done, total, output tokens so far, seconds since start) is called every
+    progress_every_s seconds while it runs."""
+    if len(arrivals) != len(requests):
+        raise ValueError(f"arrivals: {len(arrivals)} given for {len(requests)} requests")
+    sched = engine.scheduler
+    if isinstance(sched, StaticScheduler):
+        # Lets a static batch be as large as a padded row allows (see StaticScheduler).
+        sched.max_model_len = engine.max_model_len
+    warmup_s = warm_up(engine, num_warmup, seed)
+    if isinstance(sched, StaticScheduler):
+        sched.padding = PaddingStats()
+    preemptions_before = engine.total_preemptions
+
+    order = deque(sorted(range(len(requests)), key=lambda i: arrivals[i]))
+    live: dict[str, tuple[Request, float]] = {}
+    records: dict[str, RequestRecord] = {}
+    steps: list[StepRecord] = []
+    start = time.perf_counter()
+    next_report = start + progress_every_s
+    tokens_done = 0
+    while order or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        while order and start + arrivals[order[0]] <= now:
+            i = order.popleft()
+            r = requests[i]
+            arrival = start + arrivals[i]
+            try:
+                req = engine.add_request(r.request_id, r.prompt_token_ids, bench_params(r, i, seed), arrival)
+            except ValueError as e:
+                records[r.request_id] = _error_record(r, arrivals[i], str(e))
+                continue
+            live[r.request_id] = (req, arrivals[i])
+        if not engine.has_unfinished_requests():
+            if order:
+                time.sleep(max(0.0, start + arrivals[order[0]] - time.perf_counter()))
+            continue
+        out = engine.step()
+        st = out.stats
+        steps.append(
+            StepRecord(
+                t_s=st.time - start,
+                duration_s=st.duration_s,
+                num_running=st.num_running,
+                num_scheduled=st.num_scheduled,
+                num_waiting=st.num_waiting,
+                num_kv_blocks_used=st.num_kv_blocks_used,
+                num_kv_blocks_total=st.num_kv_blocks_total,
+                num_prefill_tokens=st.num_prefill_tokens,
+                num_decode_tokens=st.num_decode_tokens,
+                num_cached_tokens=st.num_cached_tokens,
+                num_preempted=st.num_preempted,
+            )
+        )
+        for o in out.finished:
+            req, arrival_s = live.pop(o.request_id)
+            records[o.request_id] = _record(o, req, arrival_s)
+            tokens_done += o.num_output_tokens
+        if progress is not None and st.time >= next_report:
+            progress(len(records), len(requests), tokens_done, st.time - start)
+            next_report = st.time + progress_every_s
+    wall_s = time.perf_counter() - start
+    padding = sched.padding if isinstance(sched, StaticScheduler) else None
+    return RunResult(
+        label=label,
+        policy=engine.config.scheduling_policy,
+        slots=slot_capacity(engine),
+        requests=[records[r.request_id] for r in requests],
+        steps=steps,
+        wall_s=wall_s,
+        warmup_s=warmup_s,
+        num_preemptions=engine.total_preemptions - preemptions_before,
+        padding=padding,
+    )
+
+
+def _record(o: RequestOutput, req: Request, arrival_s: float) -> RequestRecord:
+    m = o.metrics
+    times = req.token_times
+    return RequestRecord(
+        request_id=o.request_id,
+        prompt_tokens=o.num_prompt_tokens,
+        output_len=req.sampling_params.max_tokens,
+        output_tokens=o.num_output_tokens,
+        cached_tokens=o.num_cached_tokens,
+        num_preemptions=o.num_preemptions,
+        finish_reason=o.finish_reason,
+        error=o.error,
+        arrival_s=arrival_s,
+        queue_s=m.queue_s,
+        ttft_s=m.ttft_s,
+        tpot_s=m.tpot_s,
+        itl_p50_s=m.itl_p50_s,
+        itl_p99_s=m.itl_p99_s,
+        itl_max_s=m.itl_max_s,
+        e2e_s=m.e2e_s,
+        itls_s=tuple(b - a for a, b in itertools.pairwise(times)),
+    )
+
+
+def _error_record(r: BenchRequest, arrival_s: float, message: str) -> RequestRecord:
+    return RequestRecord(
+        request_id=r.request_id,
+        prompt_tokens=r.prompt_len,
+        output_len=r.output_len,
+        output_tokens=0,
+        cached_tokens=0,
+        num_preemptions=0,
+        finish_reason="error",
+        error=message,
+        arrival_s=arrival_s,
+        queue_s=None,
+        ttft_s=None,
+        tpot_s=None,
+        itl_p50_s=None,
+        itl_p99_s=None,
+        itl_max_s=None,
+        e2e_s=None,
+    )
