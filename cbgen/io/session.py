@@ -10,6 +10,9 @@ fold the finished rows into the final file, write the summary, pick the exit cod
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,6 +114,22 @@ def generate_part(
     return PartResult(completed, stats, engine.describe(), tracker.snapshot())
 
 
+def release_memory() -> None:
+    """Hand the memory the engine freed back to the OS before the final copy, so finalizing
+    does not stack its buffers on top of the generation phase's peak."""
+    import pyarrow as pa
+
+    gc.collect()
+    pa.default_memory_pool().release_unused()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        try:
+            trim = ctypes.CDLL(libc).malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            return
+        trim(0)
+
+
 def execute(plan: RunPlan, display: Display, stop: StopFlag) -> int:
     """Run to the end and return the exit code; FatalError/InputError/OutputError propagate."""
     t0 = time.perf_counter()
@@ -182,6 +201,7 @@ def execute(plan: RunPlan, display: Display, stop: StopFlag) -> int:
         )
         return stop.exit_code
 
+    release_memory()
     finalize(layout, schema)
     stats = table_stats(layout.final)
     this_run = dict(result.stats, wall_s=time.perf_counter() - t0)
