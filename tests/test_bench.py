@@ -171,6 +171,7 @@ def test_options_parsing() -> None:
         with pytest.raises(ValueError, match="sweep"):
             parse_sweep(bad)
     assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("512M") == 512 << 20 and parse_bytes("100") == 100
+    assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("1.5KiB") == 1536
     assert [c.label for c in plan_columns("continuous", "static", None)] == ["continuous", "static"]
     cols = plan_columns("continuous", "static", ("max_num_seqs", [1, 4]))
     assert [(c.label, c.policy, c.overrides) for c in cols] == [
@@ -239,5 +240,7 @@ def test_summary_figures(weights: Engine) -> None:
     assert s["computed_tokens"] == 38 + 2 + (3 + 5) + (7 + 9) + 4
     assert s["padding_waste"] == pytest.approx(6 / s["computed_tokens"])
     assert s["slots"] == 2 and 0 < s["slot_occupancy"] <= 1
+    # decode-only steps: (6 - 1) in batch 1, (10 - 1) in batch 2, two members each
+    assert (s["decode_steps"], s["decode_batch_mean"]) == (14, 2.0)
     assert s["num_preemptions"] == 0
     assert s["queue_p99_s"] > 0  # q2 and q3 wait for the first batch

@@ -27,7 +27,8 @@ REQUIRED = (
     "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
     "tpot_p50_s", "queue_p99_s", "padding_waste", "num_preemptions", "wall_s",
     "ttft_mean_s", "tpot_p99_s", "itl_p99_s", "queue_mean_s", "e2e_p50_s", "e2e_p99_s",
-    "slot_occupancy", "peak_kv_usage", "cache_hit_rate", "cached_tokens",
+    "slot_occupancy", "peak_kv_usage", "cache_hit_rate", "cached_tokens", "computed_tokens_per_s",
+    "decode_batch_mean", "decode_step_mean_s", "decode_tokens_per_s", "other_load",
 )
 COMMON = ["--num-threads", "1", "--kv-cache-memory", "16MiB", "--load-format", "dummy", "--num-warmup", "1"]
 
@@ -66,6 +67,7 @@ def test_bench_compare_sharegpt_writes_json_parquet_and_plot(model_dir: Path, tm
     for res in doc["results"].values():
         assert set(REQUIRED) <= set(res)
         assert res["num_requests"] == 8 and res["num_errors"] == 0 and res["num_preemptions"] == 0
+        assert res["other_load"] >= 0 and res["decode_tokens_per_s"] > 0
     assert doc["results"]["continuous"]["padding_waste"] == 0.0
     assert doc["results"]["static"]["padding_waste"] > 0.0
     assert doc["workload"]["name"] == "sharegpt" and doc["workload"]["chat_template"] is True

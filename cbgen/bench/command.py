@@ -40,15 +40,20 @@ class Column:
     overrides: dict[str, Any]
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12} | {
+    unit: 1 << (10 * (i + 1)) for i, p in enumerate("kmgt") for unit in (p, p + "ib")
+}
+
+
 def parse_bytes(text: str | None) -> int | None:
-    """'1073741824', '512MiB', '4GiB', '2G' -> bytes."""
+    """'4GiB' -> 4294967296, as `cbgen run` reads sizes: K/M/G/T and KiB/MiB/GiB/TiB are
+    binary, KB/MB/GB/TB decimal, a plain number is bytes."""
     if text is None:
         return None
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"kv_cache_memory: cannot read {text!r} as a size (e.g. 4GiB or 1073741824)")
-    scale = 1 << (10 * "KMGT".index(m.group(2).upper()) + 10) if m.group(2) else 1
-    return int(float(m.group(1)) * scale)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"kv_cache_memory: cannot read {text!r} as a size (e.g. 4GiB, 512MiB or 1000000)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
 def parse_sweep(text: str) -> tuple[str, list[Any]]:

@@ -42,6 +42,10 @@ def summarize(run: RunResult) -> Summary:
     computed = sum(s.num_prefill_tokens + s.num_decode_tokens for s in run.steps)
     busy = sum(s.num_running * s.duration_s for s in run.steps)
     padding = run.padding
+    # Decode-only steps (no prompt token in them): the per-token cost at the batch size the
+    # policy runs, the figure that says whether larger batches are cheaper on this hardware.
+    decode_steps = [st for st in run.steps if st.num_prefill_tokens == 0 and st.num_decode_tokens > 0]
+    decode_time = sum(st.duration_s for st in decode_steps)
     return {
         "policy": run.policy,
         "overrides": dict(run.overrides),
@@ -68,6 +72,10 @@ def summarize(run: RunResult) -> Summary:
         "computed_tokens": computed,
         "computed_tokens_per_s": computed / wall if wall > 0 else math.nan,
         "step_mean_s": _mean([st.duration_s for st in run.steps]),
+        "decode_steps": len(decode_steps),
+        "decode_batch_mean": _mean([st.num_decode_tokens for st in decode_steps]),
+        "decode_step_mean_s": decode_time / len(decode_steps) if decode_steps else math.nan,
+        "decode_tokens_per_s": sum(st.num_decode_tokens for st in decode_steps) / decode_time if decode_time > 0 else math.nan,
         "pad_tokens": padding.num_pad_tokens if padding else 0,
         "discarded_tokens": padding.num_discarded_tokens if padding else 0,
         "padding_waste": padding.waste if padding else 0.0,
@@ -80,6 +88,7 @@ def summarize(run: RunResult) -> Summary:
         "cached_tokens": cached,
         "cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "step_cached_tokens": sum(s.num_cached_tokens for s in run.steps),
+        "other_load": run.other_load,
     }
 
 
@@ -99,6 +108,8 @@ RATIO_KEYS = (
     "e2e_p99_s",
     "computed_tokens_per_s",
     "step_mean_s",
+    "decode_step_mean_s",
+    "decode_tokens_per_s",
     "wall_s",
 )
 
@@ -144,6 +155,9 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
     ("end-to-end p99", "e2e_p99_s", _s),
     ("computed tokens/s", "computed_tokens_per_s", _n),
     ("step time mean", "step_mean_s", _s),
+    ("decode step: batch", "decode_batch_mean", _n),
+    ("decode step: time", "decode_step_mean_s", _s),
+    ("decode tokens/s", "decode_tokens_per_s", _n),
     ("padding waste", "padding_waste", _pct),
     ("slot occupancy", "slot_occupancy", _pct),
     ("cache hit rate", "cache_hit_rate", _pct),
@@ -152,6 +166,7 @@ ROWS: tuple[tuple[str, str, Any], ...] = (
     ("steps", "num_steps", lambda v: str(v)),
     ("errors", "num_errors", lambda v: str(v)),
     ("wall time", "wall_s", _s),
+    ("other load (cores)", "other_load", lambda v: _n(v, 2)),
 )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import psutil
 
 from cbgen.bench.workloads import BenchRequest
 from cbgen.config import SamplingParams
@@ -81,6 +82,8 @@ class RunResult:
     num_preemptions: int
     padding: PaddingStats | None
     """Counted by the static scheduler; None under the continuous policy (nothing padded)."""
+    other_load: float = float("nan")
+    """Cores kept busy by other processes during the timed run (see cpu_busy_s)."""
     overrides: dict[str, object] = field(default_factory=dict)
 
 
@@ -113,6 +116,17 @@ def warm_up(engine: Engine, num_requests: int, seed: int) -> float:
         engine.step()
     engine.kv.pool.reset_prefix_cache()
     return time.perf_counter() - t0
+
+
+def cpu_busy_s() -> tuple[float, float]:
+    """(CPU-seconds all cores have been busy, CPU-seconds this process and its children have
+    used), since boot: their growth over a window, divided by its length, is the number of
+    cores other processes kept busy. On a shared machine that says how much a run was
+    disturbed: 0 means it had the machine to itself."""
+    t = psutil.cpu_times()
+    busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+    me = psutil.Process().cpu_times()
+    return busy, me.user + me.system + me.children_user + me.children_system
 
 
 def slot_capacity(engine: Engine) -> int:
@@ -151,6 +165,7 @@ def run_workload(
     live: dict[str, tuple[Request, float]] = {}
     records: dict[str, RequestRecord] = {}
     steps: list[StepRecord] = []
+    busy0, own0 = cpu_busy_s()
     start = time.perf_counter()
     next_report = start + progress_every_s
     tokens_done = 0
@@ -195,6 +210,8 @@ def run_workload(
             progress(len(records), len(requests), tokens_done, st.time - start)
             next_report = st.time + progress_every_s
     wall_s = time.perf_counter() - start
+    busy1, own1 = cpu_busy_s()
+    other_load = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall_s if wall_s > 0 else float("nan")
     padding = sched.padding if isinstance(sched, StaticScheduler) else None
     return RunResult(
         label=label,
@@ -206,6 +223,7 @@ def run_workload(
         warmup_s=warmup_s,
         num_preemptions=engine.total_preemptions - preemptions_before,
         padding=padding,
+        other_load=other_load,
     )
 
 
