@@ -40,16 +40,29 @@ def test_rope_in_place_is_bit_identical_to_the_reference_formula() -> None:
     assert torch.equal(qkv[:, heads * d :], tail)
 
 
-@pytest.mark.parametrize(("group", "block_size"), [(1, 16), (3, 4), (8, 32)])
-def test_paged_decode_matches_the_torch_reference(group: int, block_size: int) -> None:
+@pytest.mark.parametrize(
+    ("group", "block_size", "head_dim", "hkv", "batch"),
+    [
+        (1, 16, 64, 2, 4),
+        (3, 4, 64, 2, 4),
+        (8, 32, 64, 2, 4),
+        (4, 16, 128, 2, 4),  # the D = 128 register path
+        (2, 16, 80, 3, 4),  # a head size with no special path
+        (3, 16, 64, 4, 1),  # one sequence: the KV heads are split across threads
+        (3, 16, 64, 3, 24),  # many sequences, one work item each
+    ],
+)
+def test_paged_decode_matches_the_torch_reference(
+    group: int, block_size: int, head_dim: int, hkv: int, batch: int
+) -> None:
     torch.manual_seed(3)
-    hkv, d, num_blocks = 2, 64, 40
-    kv = torch.randn(2, num_blocks, block_size, hkv, d)
-    seq_lens = torch.tensor([1, block_size, block_size + 1, 5 * block_size - 3], dtype=torch.int32)
-    b = len(seq_lens)
-    block_table = torch.stack([torch.randperm(num_blocks)[:8] for _ in range(b)]).int()
-    q = torch.randn(b, hkv * group, d)
-    qsl = torch.arange(b + 1, dtype=torch.int32)
+    num_blocks = 8 * batch + 8
+    kv = torch.randn(2, num_blocks, block_size, hkv, head_dim)
+    lens = [1, block_size, block_size + 1, 5 * block_size - 3, 8 * block_size, 2 * block_size + 3]
+    seq_lens = torch.tensor([lens[i % len(lens)] for i in range(batch)], dtype=torch.int32)
+    block_table = torch.randperm(num_blocks)[: 8 * batch].view(batch, 8).int()
+    q = torch.randn(batch, hkv * group, head_dim)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
     want = torch_backend.paged_attention(q, kv, block_table, qsl, seq_lens, 0.125)
     got = native.paged_decode_f32(q, kv, block_table, seq_lens, 0.125)
     assert got is not None
