@@ -13,6 +13,8 @@ keeps its row while it runs and only its new block ids are written each step.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +44,20 @@ class _RowState:
     num_blocks: int
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the CPU it lives in an anonymous memory map, zero by definition:
+    nothing is written up front (gigabytes of KV cache cost no start-up time) and pages
+    become resident only when first used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not nbytes:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -60,9 +76,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kv_caches = [
-            torch.zeros(
-                2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device
-            )
+            zeros((2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim), dtype, device)
             for _ in range(cfg.num_hidden_layers)
         ]
         self.max_blocks_per_seq = -(-max_model_len // block_size)

@@ -14,7 +14,10 @@ import hashlib
 import importlib.util
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,9 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from cbgen.config import DEFAULT_MODEL
 from cbgen.models.config import BUILTIN_SHAPES, SUPPORTED_ARCHITECTURES, ModelConfig
+from cbgen.models.gguf_file import GGUFFile
 from cbgen.models.llama import CausalLM
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -113,30 +118,13 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 @lru_cache(maxsize=2)
-def _gguf_reader(path: str) -> Any:
-    """GGUF files are memory-mapped; parsing the header takes seconds, so do it once."""
-    import gguf
-
-    return gguf.GGUFReader(path)
+def _gguf_reader(path: str) -> GGUFFile:
+    """The GGUF header and tensor table (the data stays memory-mapped), read once."""
+    return GGUFFile(path)
 
 
-def _gguf_fields(reader: Any) -> dict[str, Any]:
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key not in (
-            "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.bos_token_id",
-        ):
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # pragma: no cover - exotic field types
-            continue
-    return out
-
-
-def _gguf_config(reader: Any) -> ModelConfig:
-    f = _gguf_fields(reader)
+def _gguf_config(reader: GGUFFile) -> ModelConfig:
+    f = reader.fields
     arch = f.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported")
@@ -211,19 +199,31 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def iter_gguf_weights(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized float32 tensors in file order; two threads dequantize (NumPy releases the
+    GIL), a few tensors ahead of the consumer."""
     import gguf
 
     arch = cfg.extra.get("hf_model_type", cfg.model_type)
-    for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+
+    def convert(t: Any) -> tuple[str, torch.Tensor]:
+        arr = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
         name = _gguf_to_hf_name(t.name)
         if arch in ("llama", "mistral"):
             if name.endswith("q_proj.weight"):
                 arr = _unpermute_rope(arr, cfg.num_attention_heads)
             elif name.endswith("k_proj.weight"):
                 arr = _unpermute_rope(arr, cfg.num_key_value_heads)
-        yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy of the map
+        return name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy of the map
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        pending: deque[Future[tuple[str, torch.Tensor]]] = deque()
+        for t in reader.tensors:
+            pending.append(pool.submit(convert, t))
+            if len(pending) > 4:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -247,6 +247,22 @@ def _init_dummy(model: CausalLM, seed: int) -> None:
             p.data.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))
 
 
+@contextmanager
+def _uninitialized(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Modules built inside get empty parameters of `dtype` on `device`: their random
+    initialisation is skipped, as the weights are loaded over it. (The meta device does the
+    same, but its first use imports about a second's worth of torch internals.)"""
+    saved = (nn.Linear.reset_parameters, nn.Embedding.reset_parameters, torch.get_default_dtype())
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved[:2]  # type: ignore[method-assign]
+        torch.set_default_dtype(saved[2])
+
+
 def load_model(
     source: ModelSource,
     cfg: ModelConfig,
@@ -256,11 +272,10 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
 ) -> CausalLM:
-    """Build the model without initialising it (meta device), allocate it on the device in
-    the engine dtype, then fill it; RoPE tables stay float32."""
-    with torch.device("meta"):
+    """Allocate the model on the device in the engine dtype without initialising it, then
+    fill it; RoPE tables stay float32."""
+    with _uninitialized(dtype, device):
         model = CausalLM(cfg, max_positions)
-    model = model.to(dtype=dtype).to_empty(device=device)
     model.rope.build()
     if load_format == "dummy" or source.kind == "shape":
         _init_dummy(model, seed)
