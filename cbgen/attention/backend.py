@@ -33,7 +33,11 @@ class AttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         plan = torch_backend.plan_attention(
-            meta.block_table, meta.query_start_loc, meta.seq_lens, meta.block_size
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_size,
+            native=meta.block_table.device.type == "cpu",
         )
         has_negative = bool((meta.slot_mapping < 0).any()) if meta.slot_mapping.numel() else False
         meta.state = (plan, has_negative)

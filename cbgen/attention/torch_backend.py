@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +53,28 @@ class AttentionPlan:
     decode_seq_lens: torch.Tensor  # [Bd] int32
     # Prefill chunks (query_len > 1), one call each: (token_start, token_end, seq_len, blocks)
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]
+    native: NativePlan | None = None
+    """For the C kernel (CPU): built when plan_attention is asked for it."""
+
+
+@dataclass
+class NativePlan:
+    """Work for the C decode kernel: every decode, and every token of the prefill chunks
+    small enough that reading their context once per query token beats a separate SDPA call
+    (query token j of a chunk is a one-token query over seq_len - query_len + j + 1 keys).
+    Tokens are in flat-batch order, so when all are covered, row i is token i."""
+
+    tokens: torch.Tensor  # [N] token indices in the flat batch
+    blocks: torch.Tensor  # [N, nb] int32 block table row of each token's sequence
+    seq_lens: torch.Tensor  # [N] int32 keys each token sees
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]
+    """The prefill chunks left to SDPA."""
+
+
+NATIVE_PREFILL_ROWS = 8192
+"""A prefill chunk goes to the C kernel when its query tokens read at most this many K/V
+rows in all (query_len x mean keys per query); past that, one SDPA call is cheaper than the
+kernel's per-token reads (a call costs about as much as 8k rows here)."""
 
 
 def plan_attention(
@@ -59,6 +82,7 @@ def plan_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_size: int,
+    native: bool = False,
 ) -> AttentionPlan:
     device = block_table.device
     qsl = query_start_loc.tolist()
@@ -91,7 +115,51 @@ def plan_attention(
         decode_blocks = torch.empty(0, 0, dtype=block_table.dtype, device=device)
         decode_mask = torch.empty(0, 1, 1, 0, dtype=torch.bool, device=device)
         decode_tokens = torch.empty(0, dtype=torch.long, device=device)
-    return AttentionPlan(decode_tokens, decode_blocks, decode_mask, decode_seq_lens, prefills)
+    plan = AttentionPlan(decode_tokens, decode_blocks, decode_mask, decode_seq_lens, prefills)
+    if native:
+        plan.native = _native_plan(block_table, qsl, lens, block_size, prefills)
+    return plan
+
+
+def _native_plan(
+    block_table: torch.Tensor,
+    qsl: list[int],
+    lens: list[int],
+    block_size: int,
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]],
+) -> NativePlan:
+    left = {p[0]: p for p in prefills}
+    tokens, rows, keys = [], [], []
+    max_len = 0
+    for i, seq_len in enumerate(lens):
+        start, end = qsl[i], qsl[i + 1]
+        qlen = end - start
+        if qlen == 0:
+            continue
+        if qlen > 1:
+            if qlen * (seq_len - qlen / 2) > NATIVE_PREFILL_ROWS:
+                continue
+            del left[start]
+        tokens.append(np.arange(start, end))
+        rows.append(np.full(qlen, i))
+        keys.append(np.arange(seq_len - qlen + 1, seq_len + 1))
+        max_len = max(max_len, seq_len)
+    device = block_table.device
+    if not tokens:
+        return NativePlan(
+            torch.empty(0, dtype=torch.long, device=device),
+            torch.empty(0, 0, dtype=torch.int32, device=device),
+            torch.empty(0, dtype=torch.int32, device=device),
+            list(left.values()),
+        )
+    row_idx = torch.from_numpy(np.concatenate(rows)).to(device)
+    nb = -(-max_len // block_size)
+    return NativePlan(
+        torch.from_numpy(np.concatenate(tokens)).to(device),
+        block_table[row_idx, :nb].to(torch.int32),
+        torch.from_numpy(np.concatenate(keys).astype(np.int32)).to(device),
+        list(left.values()),
+    )
 
 
 def attend(
@@ -111,22 +179,24 @@ def attend(
     out = torch.empty_like(query)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     decoded = False
-    if native and plan.decode_tokens.numel() and query.dtype == kv_cache.dtype == torch.float32:
+    prefills = plan.prefills
+    nat = plan.native
+    if native and nat is not None and query.dtype == kv_cache.dtype == torch.float32:
         from cbgen.attention.native import paged_decode_f32
 
-        all_decodes = plan.decode_tokens.shape[0] == num_tokens  # then token i is decode i
-        o = paged_decode_f32(
-            query if all_decodes else query[plan.decode_tokens],
-            kv_cache,
-            plan.decode_blocks,
-            plan.decode_seq_lens,
-            scale,
-        )
-        if o is not None:
-            if all_decodes:
+        all_native = nat.tokens.shape[0] == num_tokens  # then row i is token i
+        o = None
+        if nat.tokens.numel():
+            o = paged_decode_f32(
+                query if all_native else query[nat.tokens], kv_cache, nat.blocks, nat.seq_lens, scale
+            )
+        if o is not None or not nat.tokens.numel():
+            if all_native and o is not None:
                 return o
-            out[plan.decode_tokens] = o
+            if o is not None:
+                out[nat.tokens] = o
             decoded = True
+            prefills = nat.prefills
     if plan.decode_tokens.numel() and not decoded:
         bd = plan.decode_tokens.shape[0]
         # [Bd, Hkv, G, D]: the G query heads of a KV group act as G query rows.
@@ -137,7 +207,7 @@ def attend(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
         )
         out[plan.decode_tokens] = o.reshape(bd, num_heads, head_dim)
-    for start, end, _seq_len, blocks, mask in plan.prefills:
+    for start, end, _seq_len, blocks, mask in prefills:
         qlen = end - start
         # [Hkv, Q*G, D], rows ordered (query, group member)
         q = query[start:end].view(qlen, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
