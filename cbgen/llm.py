@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
@@ -35,22 +35,24 @@ class LLM:
         samples of a prompt follow each other, with sample_index 0..n-1). A prompt that
         cannot run (empty, too long) gets finish_reason="error" and a message; the others
         run as usual. Sample i of a seeded request uses seed + i."""
+        prompt_list: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompt_list = [cast(Prompt, prompts)]
+        else:
+            prompt_list = list(cast(Sequence[Prompt], prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
+            if len(params) != len(prompt_list):
                 raise ValueError(
-                    f"sampling_params: {len(params)} given for {len(prompts)} prompts"
+                    f"sampling_params: {len(params)} given for {len(prompt_list)} prompts"
                 )
         engine = self.engine
         results: dict[str, RequestOutput] = {}
-        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompt_list))]
         order: list[str] = []
-        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        for rid, prompt, p in zip(ids, prompt_list, params, strict=True):
             for i in range(p.n):
                 sid = f"{rid}-{i}"
                 order.append(sid)

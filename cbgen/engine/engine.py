@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import torch
@@ -23,6 +23,7 @@ from cbgen.engine.runner import ModelRunner, NewRequestInfo
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
 from cbgen.engine.static_scheduler import StaticScheduler
 from cbgen.metrics import RequestMetrics
+from cbgen.models.llama import CausalLM
 from cbgen.models.loader import load_model, load_model_config, load_tokenizer, resolve_model
 
 logger = logging.getLogger("cbgen")
@@ -82,6 +83,8 @@ class Engine:
         self.backend = get_attention_backend(
             config.attention_backend, self.device, self.dtype, config.block_size
         )
+        self.tokenizer: Any
+        self.model: CausalLM
         if share_weights_with is not None:
             other = share_weights_with
             if (other.source, other.dtype, other.device) != (self.source, self.dtype, self.device):
@@ -114,7 +117,9 @@ class Engine:
             self.dtype,
         )
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        self.eos_token_id: int | None = eos if eos is not None else (mc.eos_token_ids or [None])[0]
+        if eos is None and mc.eos_token_ids:
+            eos = mc.eos_token_ids[0]
+        self.eos_token_id: int | None = eos
         self._request_counter = 0
         self.total_preemptions = 0
         self.init_time_s = time.perf_counter() - t0
@@ -191,7 +196,7 @@ class Engine:
         if isinstance(prompt, str):
             token_ids = self.tokenize(prompt)
         elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-            token_ids = list(prompt)
+            token_ids = list(cast(Sequence[int], prompt))
         else:
             raise ValueError(f"prompt: must be text or a list of token ids, got {type(prompt).__name__}")
         self.validate_request(token_ids, params)
