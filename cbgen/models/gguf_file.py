@@ -45,7 +45,7 @@ class GGUFFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._map = np.memmap(path, dtype=np.uint8, mode="r")
-        self._buf = memoryview(self._map)
+        self._buf = memoryview(self._map)  # type: ignore[arg-type]
         self._pos = 0
         if bytes(self._buf[:4]) != b"GGUF":
             raise GGUFError(f"{path}: not a GGUF file")

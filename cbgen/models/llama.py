@@ -86,6 +86,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, computed once in float32."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -193,6 +196,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.decoder_layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        """The same layers, typed (iterating the ModuleList yields plain Modules)."""
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.fused_cpu_ops = False
@@ -215,7 +220,7 @@ class CausalLM(nn.Module):
         if self.fused_cpu_ops:
             return self._forward_fused(h, positions, kv_caches, meta, backend)
         rope = self.rope.tables(positions, h.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
             residual = h
             h = layer.self_attn(layer.input_layernorm(h), rope, kv_cache, meta, backend)
             h = residual + h
@@ -244,8 +249,8 @@ class CausalLM(nn.Module):
         cos, sin = self.rope.cos, self.rope.sin
         positions = positions.contiguous()
         residual = h
-        x = native.add_rmsnorm_(residual, None, self.layers[0].input_layernorm.weight, eps)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        x = native.add_rmsnorm_(residual, None, self.decoder_layers[0].input_layernorm.weight, eps)
+        for i, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches, strict=True)):
             if i:
                 x = native.add_rmsnorm_(residual, h, layer.input_layernorm.weight, eps)
             attn = layer.self_attn

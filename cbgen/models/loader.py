@@ -247,19 +247,25 @@ def _init_dummy(model: CausalLM, seed: int) -> None:
             p.data.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))
 
 
+def _skip(self: nn.Module) -> None:
+    pass
+
+
 @contextmanager
 def _uninitialized(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
     """Modules built inside get empty parameters of `dtype` on `device`: their random
     initialisation is skipped, as the weights are loaded over it. (The meta device does the
     same, but its first use imports about a second's worth of torch internals.)"""
     saved = (nn.Linear.reset_parameters, nn.Embedding.reset_parameters, torch.get_default_dtype())
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+    nn.Linear.reset_parameters = _skip  # type: ignore[method-assign]
+    nn.Embedding.reset_parameters = _skip  # type: ignore[method-assign]
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             yield
     finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved[:2]  # type: ignore[method-assign]
+        nn.Linear.reset_parameters = saved[0]  # type: ignore[method-assign]
+        nn.Embedding.reset_parameters = saved[1]  # type: ignore[method-assign]
         torch.set_default_dtype(saved[2])
 
 
