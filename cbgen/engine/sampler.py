@@ -1,8 +1,9 @@
 """Batched sampling: penalties, min_tokens, greedy, temperature / top-k / top-p / min-p.
 
-One call per step for every request that samples. Random draws come from each request's own
-generator (the exponential-race trick: argmax(p / E) with E ~ Exp(1) is a draw from p), so a
-seeded request gives the same tokens alone or inside any batch.
+One call per step for every request that samples. Each random row draws one uniform number
+from its request's own generator and takes the token where the cumulative distribution passes
+it (inverse CDF), so a seeded request gives the same tokens alone or
+inside any batch, at the cost of one draw per row rather than one per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -115,24 +116,33 @@ class Sampler:
                 held = [t for t in row.stop_ids_for_min_tokens if t < vocab]
                 if held:
                     logits[i, held] = float("-inf")
-        out = logits.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        every_row = len(random_rows) == len(rows)
+        out = (
+            torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if every_row
+            else logits.argmax(dim=-1)
+        )
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
-            sub = logits[idx]
+            sub = logits if every_row else logits[idx]
             ps = [rows[i].params for i in random_rows]
             dev = logits.device
             temp = torch.tensor([p.temperature for p in ps], device=dev, dtype=sub.dtype)
-            sub = sub / temp[:, None]
+            sub = sub.div_(temp[:, None]) if every_row else sub / temp[:, None]  # logits are ours
             sub = filter_logits(
                 sub,
                 torch.tensor([p.top_k for p in ps], device=dev),
                 torch.tensor([p.top_p for p in ps], device=dev, dtype=sub.dtype),
                 torch.tensor([p.min_p for p in ps], device=dev, dtype=sub.dtype),
             )
-            probs = sub.softmax(dim=-1)
-            race = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):
-                race[j].exponential_(generator=rows[i].generator)
-            out[idx] = (probs / race).argmax(dim=-1)
+            u = torch.cat([torch.rand(1, generator=rows[i].generator) for i in random_rows]).to(dev)
+            # unnormalised softmax, then the first token whose cumulative weight exceeds
+            # u x total: never a zero-weight token (adding 0 leaves the sum exactly as it was),
+            # never past the last one
+            weights = sub.sub_(sub.amax(dim=-1, keepdim=True)).exp_()
+            cdf = weights.cumsum(dim=-1)
+            target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+            picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+            out[idx] = picked.clamp_(max=vocab - 1)
         return out.tolist()
