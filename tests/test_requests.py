@@ -317,3 +317,17 @@ def test_eos_ignore_eos_and_min_tokens(engine: Engine, tmp_path: Path) -> None:
     assert hf(PROMPT, {eos, 2}, min_tokens) == want
     same = greedy(engine, PROMPT, ignore_eos=False, stop_token_ids=[eos], min_tokens=min_tokens)
     assert (same.output_token_ids, same.finish_reason, same.stop_reason) == (want, "stop", eos)
+
+
+def test_a_cpu_kv_cache_larger_than_the_machine_is_refused(tiny_model_dir: Callable[[str], Path]) -> None:
+    """The CPU cache is mapped lazily, so an impossible size must fail at start-up, not when
+    its blocks fill up mid-run."""
+    import psutil
+
+    too_big = 2 * psutil.virtual_memory().total
+    with pytest.raises(ValueError, match=r"^kv_cache_memory: .* GiB is more than this machine's"):
+        Engine(
+            EngineConfig(
+                model=str(tiny_model_dir("llama")), device="cpu", dtype="float32", kv_cache_memory=too_big, num_threads=1
+            )
+        )

@@ -135,6 +135,15 @@ class Engine:
         cfg = self.config
         if cfg.kv_cache_memory is not None:
             budget = cfg.kv_cache_memory
+            if self.device.type == "cpu":
+                # The CPU cache is mapped lazily: too large a size would not fail here but
+                # when its blocks fill up, mid-run. Refuse what the machine cannot hold.
+                total = psutil.virtual_memory().total
+                if budget > total:
+                    raise ValueError(
+                        f"kv_cache_memory: {budget / GiB:.1f} GiB is more than this machine's "
+                        f"{total / GiB:.1f} GiB of memory"
+                    )
         elif self.device.type == "cuda":
             budget = self._profile_cuda_kv_budget()
         else:

@@ -54,7 +54,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if not nbytes:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes)
+    try:
+        buf = mmap.mmap(-1, nbytes)
+    except OSError as e:
+        raise ValueError(
+            f"kv_cache_memory: cannot map {nbytes / (1 << 30):.2f} GiB for one layer's KV cache "
+            f"({e.strerror}); give a smaller --kv-cache-memory"
+        ) from None
     if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer page faults and TLB misses where THP is on
         buf.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
