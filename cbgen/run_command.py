@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
@@ -27,6 +26,7 @@ from cbgen.config import (
     LoadFormat,
     SamplingParams,
     SchedulingPolicy,
+    parse_size,
 )
 
 _ENGINE = EngineConfig()
@@ -37,28 +37,6 @@ RUN_PANEL = "Run"
 ENGINE_PANEL = "Engine (EngineConfig)"
 SAMPLING_PANEL = "Sampling defaults (SamplingParams; a row's own fields win)"
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
-}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """'4GiB' -> 4294967296; KiB/MiB/GiB/TiB (and K/M/G/T) are binary, KB/MB/GB/TB decimal,
-    a plain number is bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise ValueError(
-            f"kv_cache_memory: expected a size such as 4GiB, 512MiB or 1000000 (bytes), got {text!r}"
-        )
-    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {text!r}")
-    return value
 
 
 def run(

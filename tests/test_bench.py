@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cbgen.bench import sharegpt
-from cbgen.bench.command import parse_bytes, parse_sweep, plan_columns
+from cbgen.bench.command import parse_sweep, plan_columns
 from cbgen.bench.report import summarize
 from cbgen.bench.runner import run_workload
 from cbgen.bench.workloads import (
@@ -24,7 +24,7 @@ from cbgen.bench.workloads import (
     prefix_workload,
     random_workload,
 )
-from cbgen.config import EngineConfig
+from cbgen.config import EngineConfig, parse_size
 from cbgen.engine.engine import Engine
 
 TINY_LLAMA = dict(
@@ -170,8 +170,8 @@ def test_options_parsing() -> None:
     for bad in ("model=a,b", "max_num_seqs", "max_num_seqs=x", "nope=1"):
         with pytest.raises(ValueError, match="sweep"):
             parse_sweep(bad)
-    assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("512M") == 512 << 20 and parse_bytes("100") == 100
-    assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("1.5KiB") == 1536
+    assert parse_size("4GiB") == 4 << 30 and parse_size("512M") == 512 << 20 and parse_size("100") == 100
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("1.5KiB") == 1536
     assert [c.label for c in plan_columns("continuous", "static", None)] == ["continuous", "static"]
     cols = plan_columns("continuous", "static", ("max_num_seqs", [1, 4]))
     assert [(c.label, c.policy, c.overrides) for c in cols] == [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from cbgen.config import EngineConfig
+from cbgen.config import EngineConfig, parse_size
 
 if TYPE_CHECKING:
     from cbgen.engine.engine import Engine
@@ -40,20 +39,6 @@ class Column:
     overrides: dict[str, Any]
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12} | {
-    unit: 1 << (10 * (i + 1)) for i, p in enumerate("kmgt") for unit in (p, p + "ib")
-}
-
-
-def parse_bytes(text: str | None) -> int | None:
-    """'4GiB' -> 4294967296, as `cbgen run` reads sizes: K/M/G/T and KiB/MiB/GiB/TiB are
-    binary, KB/MB/GB/TB decimal, a plain number is bytes."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"kv_cache_memory: cannot read {text!r} as a size (e.g. 4GiB, 512MiB or 1000000)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
 def parse_sweep(text: str) -> tuple[str, list[Any]]:
@@ -76,7 +61,7 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
                     raise ValueError(v)
                 out.append(v.lower() in ("true", "1"))
             elif name == "kv_cache_memory":
-                out.append(parse_bytes(v))
+                out.append(parse_size(v))
             else:
                 out.append(kind(v))
         except ValueError:
@@ -150,7 +135,7 @@ def bench(
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             block_size=block_size,
-            kv_cache_memory=parse_bytes(kv_cache_memory),
+            kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             dtype=dtype,  # type: ignore[arg-type]

@@ -27,6 +27,18 @@ _MAX_ARRAY_READ = 4096
 """Arrays longer than this are skipped (tokenizer vocabularies, merges, scores)."""
 
 
+_PLAIN: dict[int, np.dtype[Any]] = {
+    0: np.dtype(np.float32),
+    1: np.dtype(np.float16),
+    24: np.dtype(np.int8),
+    25: np.dtype(np.int16),
+    26: np.dtype(np.int32),
+    27: np.dtype(np.int64),
+    28: np.dtype(np.float64),
+}
+"""ggml type ids stored unquantized (F32, F16, I8, I16, I32, I64, F64), as NumPy dtypes."""
+
+
 class GGUFError(ValueError):
     pass
 
@@ -123,18 +135,9 @@ class GGUFFile:
         qtype = GGMLQuantizationType(ggml_type)
         n_elems = int(np.prod(dims)) if dims else 1
         np_dims = tuple(reversed(dims))
-        plain = {
-            GGMLQuantizationType.F32: np.float32,
-            GGMLQuantizationType.F16: np.float16,
-            GGMLQuantizationType.F64: np.float64,
-            GGMLQuantizationType.I8: np.int8,
-            GGMLQuantizationType.I16: np.int16,
-            GGMLQuantizationType.I32: np.int32,
-            GGMLQuantizationType.I64: np.int64,
-        }
         begin = start + offset
-        if qtype in plain:
-            dtype = np.dtype(plain[qtype])
+        dtype = _PLAIN.get(ggml_type)
+        if dtype is not None:
             n_bytes = n_elems * dtype.itemsize
         else:
             block, type_size = GGML_QUANT_SIZES[qtype]
@@ -144,7 +147,7 @@ class GGUFFile:
         if begin + n_bytes > len(self._map):
             raise GGUFError(f"{self.path}: tensor {name} runs past the end of the file")
         raw = self._map[begin : begin + n_bytes]
-        if qtype in plain:
+        if dtype is not None:
             data = raw.view(dtype).reshape(np_dims)
         else:
             data = raw.reshape(*np_dims[:-1], np_dims[-1] // block * type_size)

@@ -8,7 +8,8 @@ Hugging Face names and packed into the fused tensors by load_weights.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -196,8 +197,6 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.decoder_layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
-        """The same layers, typed (iterating the ModuleList yields plain Modules)."""
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.fused_cpu_ops = False
@@ -207,6 +206,11 @@ class CausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """self.layers, typed (a ModuleList hands out plain Modules)."""
+        return cast(Sequence[DecoderLayer], self.layers)
 
     def forward(
         self,
