@@ -95,3 +95,28 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
     got = torch_backend.attend(q[:n], kv, small, 0.125, native=True)
     want = torch_backend.attend(q[:n], kv, torch_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs), 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_write_matches_index_copy_from_strided_views() -> None:
+    """K and V as views into one fused qkv row (row stride > Hkv * D), a negative slot skipped,
+    a slot past the cache refused before anything is written."""
+    torch.manual_seed(5)
+    t, hkv, d, heads = 40, 3, 64, 9
+    qkv = torch.randn(t, (heads + 2 * hkv) * d)
+    k = qkv[:, heads * d : (heads + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (heads + hkv) * d :].view(t, hkv, d)
+    slots = torch.randperm(6 * 16)[:t]
+    slots[7] = -1
+    want = torch.randn(2, 6, 16, hkv, d)
+    got = want.clone()
+    torch_backend.write_kv_cache(k, v, want, slots)
+    assert native.write_kv_f32(k, v, got, slots)
+    assert torch.equal(got, want)
+    before = got.clone()
+    slots[3] = 6 * 16
+    with pytest.raises(IndexError, match="past the cache"):
+        native.write_kv_f32(k, v, got, slots)
+    assert torch.equal(got, before)
+    # not its job: other dtypes and layouts go to the torch path
+    assert not native.write_kv_f32(k.double(), v.double(), got.double(), slots)
+    assert not native.write_kv_f32(k.transpose(1, 2).contiguous().transpose(1, 2), v, got, slots)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from cbgen.attention import torch_backend
+from cbgen.attention import native, torch_backend
 
 
 @dataclass
@@ -52,8 +52,10 @@ class AttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         plan, has_negative = meta.state
-        torch_backend.write_kv_cache(key, value, kv_cache, meta.slot_mapping, has_negative)
-        return torch_backend.attend(query, kv_cache, plan, scale, native=query.device.type == "cpu")
+        on_cpu = query.device.type == "cpu"
+        if not (on_cpu and native.write_kv_f32(key, value, kv_cache, meta.slot_mapping)):
+            torch_backend.write_kv_cache(key, value, kv_cache, meta.slot_mapping, has_negative)
+        return torch_backend.attend(query, kv_cache, plan, scale, native=on_cpu)
 
 
 def flash_available() -> str | None:

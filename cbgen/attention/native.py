@@ -16,10 +16,16 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-# Each source with its contraction rule: attention is free to use FMA (it only has to agree
-# with the reference to float32 rounding); the fused element-wise ops must round exactly like
+# Each source with its contraction rule: attention and the greedy head's float32 recompute
+# are free to use FMA (they only have to agree with the reference to float32 rounding); the fused element-wise ops must round exactly like
 # the torch ops they replace, so no contraction there.
-_SRCS = {_CSRC / "paged_decode.c": "-ffp-contract=fast", _CSRC / "fused_ops.c": "-ffp-contract=off"}
+_SRCS = {
+    _CSRC / "paged_decode.c": ("-ffp-contract=fast",),
+    # finite math lets the bound's max reductions vectorise; the source checks the logits'
+    # exponent bits for inf/NaN itself and never compares against an infinity
+    _CSRC / "greedy_head.c": ("-ffp-contract=fast", "-ffinite-math-only"),
+    _CSRC / "fused_ops.c": ("-ffp-contract=off",),
+}
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
 
 
@@ -33,7 +39,7 @@ def load_library() -> ctypes.CDLL | None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    src = b"".join(p.read_bytes() + flag.encode() for p, flag in _SRCS.items())
+    src = b"".join(p.read_bytes() + " ".join(flags).encode() for p, flags in _SRCS.items())
     key = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"cbgen_cpu_{key}.so"
     try:
@@ -42,10 +48,10 @@ def load_library() -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
                 tmp_lib = Path(tmp) / lib_path.name
                 objs = []
-                for i, (source, contract) in enumerate(_SRCS.items()):
+                for i, (source, flags) in enumerate(_SRCS.items()):
                     obj = Path(tmp) / f"{i}.o"
                     subprocess.run(
-                        [cc, *_FLAGS, contract, "-c", str(source), "-o", str(obj)],
+                        [cc, *_FLAGS, *flags, "-c", str(source), "-o", str(obj)],
                         check=True,
                         capture_output=True,
                     )
@@ -67,6 +73,11 @@ def load_library() -> ctypes.CDLL | None:
     lib.cbgen_add_rmsnorm_f32.restype = None
     lib.cbgen_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p, p]
     lib.cbgen_rope_f32.restype = None
+    lib.cbgen_write_kv_f32.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64]
+    lib.cbgen_write_kv_f32.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.cbgen_greedy_bf16.argtypes = [p, i64, i64, p, i64, p, p, f32, f32, f32, p]
+    lib.cbgen_greedy_bf16.restype = i64
     return lib
 
 
@@ -130,6 +141,69 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, c
     lib.cbgen_rope_f32(
         x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr()
     )
+
+
+def write_kv_f32(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """torch_backend.write_kv_cache in one C call, for float32 CPU tensors whose heads are
+    packed in each row (key/value [T, Hkv, D], any row stride; slot_mapping int64, negative
+    slots skipped). False, writing nothing, when the tensors do not fit that description."""
+    lib = load_library()
+    t, hkv, d = key.shape
+    if (
+        lib is None
+        or not (key.dtype == value.dtype == kv_cache.dtype == torch.float32)
+        or slot_mapping.dtype != torch.int64
+        or not kv_cache.is_contiguous()
+        or kv_cache.shape[-2:] != (hkv, d)
+        or value.shape != key.shape
+        or any(x.stride(2) != 1 or x.stride(1) != d for x in (key, value))
+        or slot_mapping.shape != (t,)
+    ):
+        return False
+    slots = slot_mapping.contiguous()
+    rc = lib.cbgen_write_kv_f32(
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        kv_cache[0].data_ptr(),
+        kv_cache[1].data_ptr(),
+        kv_cache[0].numel() // (hkv * d),
+        slots.data_ptr(),
+        t,
+        hkv * d,
+    )
+    if rc != 0:
+        raise IndexError(f"KV write: a slot is past the cache's {kv_cache[0].numel() // (hkv * d)} slots")
+    return True
+
+
+def greedy_bf16(
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    weight_norms: torch.Tensor,
+    a: float,
+    b: float,
+    c: float,
+) -> tuple[torch.Tensor, int] | None:
+    """The exact argmax of hidden @ weight.T per row, from bfloat16 logits [M, V] of the same
+    product and float32 recomputes of the rows that could still win (csrc/greedy_head.c has
+    the bound). Returns (token ids [M] int64, the most candidates any row needed), or None
+    when a logit is not finite."""
+    lib = load_library()
+    assert lib is not None
+    m, v = logits.shape
+    k = hidden.shape[1]
+    assert logits.dtype == torch.bfloat16 and logits.is_contiguous()
+    assert hidden.dtype == weight.dtype == weight_norms.dtype == torch.float32
+    assert weight.shape == (v, k) and weight_norms.shape == (v,) and hidden.shape == (m, k)
+    h, w, n = hidden.contiguous(), weight.contiguous(), weight_norms.contiguous()
+    out = torch.empty(m, dtype=torch.int64)
+    most = lib.cbgen_greedy_bf16(logits.data_ptr(), m, v, h.data_ptr(), k, w.data_ptr(), n.data_ptr(), a, b, c, out.data_ptr())
+    if most < 0:
+        return None
+    return out, int(most)
 
 
 def fused_ops_available() -> bool:

@@ -38,6 +38,16 @@ class SamplingRow:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
+    @property
+    def plain_argmax(self) -> bool:
+        """The token is the argmax of the raw logits: greedy, no penalty, nothing held back."""
+        p = self.params
+        return (
+            p.greedy
+            and not p.has_penalties
+            and not (self.num_output_tokens < p.min_tokens and self.stop_ids_for_min_tokens)
+        )
+
 
 def apply_penalties(
     logits: torch.Tensor,

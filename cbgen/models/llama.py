@@ -33,6 +33,51 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def bf16_matmul_fast() -> bool:
+    """oneDNN runs bfloat16 matmuls natively here (AVX512-BF16 or AMX), at about twice the
+    float32 rate; elsewhere it emulates them and a bf16 head would be slower."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return onednn_packing_available() and check is not None and bool(check())
+
+
+class GreedyHead:
+    """Exact greedy tokens from a bfloat16 copy of the LM head plus float32 recomputes of the
+    few tokens that could still be the argmax (cbgen/attention/csrc/greedy_head.c proves the
+    bound). Same tokens as argmax over the float32 logits, up to float32 rounding; about half
+    the cost of the float32 head on a CPU with bf16 dot products."""
+
+    UNIT = 2.0**-8
+    """bfloat16 unit roundoff (8 significant bits, round to nearest)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        hidden = weight.shape[1]
+        self.weight = weight
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), 64)
+        self.norms = (weight.double().norm(dim=1) * (1 + 1e-6)).float()
+        u, f32_unit = self.UNIT, 2.0**-24
+        gamma = (hidden + 32) * f32_unit / (1 - (hidden + 32) * f32_unit)  # fp32 accumulation
+        # inputs rounded to bf16 (2u + u^2 of sum |h w|), accumulation, then the result rounded
+        # to bf16 (allowing a whole ulp, 2u): 25 % margin on top for the fp32 arithmetic of the
+        # bound itself
+        self.a = 1.25 * ((2 * u + u * u) + gamma * (1 + u) ** 2) * (1 + 2 * u)
+        self.b = 1.25 * 2 * u / (1 - 2 * u)
+        self.c = 1e-5
+        self.last_candidates = 0
+        """The most candidates a row needed in the last call (a diagnostic)."""
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Token ids [M] (int64) for hidden [M, hidden] float32; None if a logit is not finite."""
+        from cbgen.attention import native
+
+        hidden = hidden.contiguous()
+        logits = packed_linear(hidden.to(torch.bfloat16), self.packed, None)
+        got = native.greedy_bf16(logits.contiguous(), hidden, self.weight, self.norms, self.a, self.b, self.c)
+        if got is None:
+            return None
+        tokens, self.last_candidates = got
+        return tokens
+
+
 class Linear(nn.Linear):
     """nn.Linear that can switch to a oneDNN-packed copy of its weight (CPU, float32)."""
 
@@ -202,6 +247,8 @@ class CausalLM(nn.Module):
         self.fused_cpu_ops = False
         """Use the fused C element-wise ops (set by the loader on the CPU in float32)."""
         self.lm_head_packed: torch.Tensor | None = None
+        self.greedy_head: GreedyHead | None = None
+        """Set by the loader where bf16 matmuls are native (CPU, float32 model)."""
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -280,8 +327,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_packed is not None:
             return packed_linear(hidden.contiguous(), self.lm_head_packed, None)
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head_weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.head_weight)
 
     def pack_linear_weights(self) -> None:
         """Reorder every matmul weight for oneDNN (CPU float32). The LM head gets a packed
@@ -289,8 +335,19 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head_weight
-        self.lm_head_packed = pack_weight(weight.data)
+        self.lm_head_packed = pack_weight(self.head_weight.data)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head weight [vocab, hidden] (the embedding when tied)."""
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head_weight
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax of compute_logits(hidden) per row through the greedy head; None when there is
+        no greedy head or it cannot answer (then take the logits path)."""
+        if self.greedy_head is None:
+            return None
+        return self.greedy_head(hidden)
 
     # ---- weights ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

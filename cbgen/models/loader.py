@@ -298,11 +298,13 @@ def load_model(
     model.requires_grad_(False)
     if device.type == "cpu" and dtype == torch.float32:
         from cbgen.attention.native import fused_ops_available
-        from cbgen.models.llama import onednn_packing_available
+        from cbgen.models.llama import GreedyHead, bf16_matmul_fast, onednn_packing_available
 
         model.fused_cpu_ops = fused_ops_available()
         if onednn_packing_available():
             model.pack_linear_weights()
+        if model.fused_cpu_ops and bf16_matmul_fast():
+            model.greedy_head = GreedyHead(model.head_weight.data)
     return model
 
 

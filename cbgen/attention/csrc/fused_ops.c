@@ -5,6 +5,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define PAR_MIN_ELEMS (1 << 18)
 
@@ -57,4 +58,24 @@ void cbgen_rope_f32(float *x, int64_t row_stride, int64_t T, int64_t heads, int6
             }
         }
     }
+}
+
+/* Paged KV write: row t of key and value (row strides k_stride / v_stride floats, each row
+ * `row` contiguous floats = Hkv * D) goes to flat slot slots[t] of k_cache / v_cache
+ * ([num_slots, row] each); a negative slot is skipped. One call per layer replaces two
+ * index_copy_ calls (and their dtype/contiguity checks) at decode sizes. Returns -1, writing
+ * nothing, when a slot is past the cache. */
+int cbgen_write_kv_f32(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
+                       float *k_cache, float *v_cache, int64_t num_slots, const int64_t *slots,
+                       int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] >= num_slots) return -1;
+#pragma omp parallel for if (T * row >= PAR_MIN_ELEMS) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        memcpy(k_cache + s * row, key + t * k_stride, sizeof(float) * (size_t)row);
+        memcpy(v_cache + s * row, value + t * v_stride, sizeof(float) * (size_t)row);
+    }
+    return 0;
 }
