@@ -37,7 +37,7 @@ run: setup
 	$(BIN)/cbgen run sample_data/prompts.jsonl
 
 bench: setup
-	$(BIN)/cbgen bench --workload sharegpt --num-prompts 48 --max-output-len 512 --compare static --static-batch-size 8
+	$(BIN)/cbgen bench --workload sharegpt --num-prompts 128 --max-output-len 512 --compare static --static-batch-size 8
 
 gpu-check: setup
 	bash scripts/gpu_check.sh
