@@ -120,3 +120,39 @@ def test_kv_write_matches_index_copy_from_strided_views() -> None:
     # not its job: other dtypes and layouts go to the torch path
     assert not native.write_kv_f32(k.double(), v.double(), got.double(), slots)
     assert not native.write_kv_f32(k.transpose(1, 2).contiguous().transpose(1, 2), v, got, slots)
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 40), (64, 577), (960, 576)])
+def test_small_gemm_matches_matmul_and_a_row_never_depends_on_the_batch(n: int, k: int) -> None:
+    torch.manual_seed(6)
+    weight, bias = torch.randn(n, k), torch.randn(n)
+    panels = native.pack_panels(weight)
+    assert panels is not None
+    x = torch.randn(130, k)
+    for m in (1, 2, 3, 5, 11, 12, 13, 29, 64, 130):  # every register-tile height and remainder
+        got = native.small_gemm(x[:m], panels, None)
+        torch.testing.assert_close(got, x[:m] @ weight.T, rtol=1e-5, atol=1e-4)
+        with_bias = native.small_gemm(x[:m], panels, bias)
+        torch.testing.assert_close(with_bias, x[:m] @ weight.T + bias, rtol=1e-5, atol=1e-4)
+    alone = torch.cat([native.small_gemm(x[i : i + 1], panels, bias) for i in range(29)])
+    assert torch.equal(native.small_gemm(x[:29], panels, bias), alone)
+
+
+def test_small_gemm_needs_whole_panels() -> None:
+    assert native.pack_panels(torch.randn(100, 64)) is None
+    assert native.pack_panels(torch.randn(96, 64).double()) is None
+
+
+def test_linear_takes_the_panels_for_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cbgen.models import llama
+
+    torch.manual_seed(7)
+    layer = llama.Linear(64, 96, bias=True)
+    layer.pack(onednn=llama.onednn_packing_available(), panels=True)
+    calls = []
+    inner = native.small_gemm
+    monkeypatch.setattr(native, "small_gemm", lambda *a: calls.append(a[0].shape[0]) or inner(*a))
+    for m in (1, native.SMALL_GEMM_MAX_ROWS, native.SMALL_GEMM_MAX_ROWS + 1):
+        x = torch.randn(m, 64)
+        torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-4)
+    assert calls == [1, native.SMALL_GEMM_MAX_ROWS]

@@ -596,10 +596,11 @@ def test_kill_9_mid_run_then_rerun_resumes(tmp_path: Path, chat_model: Path) -> 
 def test_sigterm_flushes_and_says_how_to_resume_and_status_lines(
     tmp_path: Path, chat_model: Path
 ) -> None:
-    src = _many_rows(tmp_path / "t.jsonl", 120)
+    src = _many_rows(tmp_path / "t.jsonl", 240)
     args = ["run", str(src), *tiny(chat_model, "--max-num-seqs", "4", "--log-interval", "0.1")]
     r = Running(args)
-    r.wait_for(lambda: r.rows_done() >= 20)
+    # mid-run, with a few status lines out (the tiny model can reach 20 rows within 0.2 s)
+    r.wait_for(lambda: r.rows_done() >= 20 and sum(1 for line in list(r.lines) if STATUS.match(line)) >= 3)
     r.proc.send_signal(signal.SIGTERM)
     assert r.finish() == 128 + signal.SIGTERM, r.output()
     m = re.search(
@@ -611,7 +612,7 @@ def test_sigterm_flushes_and_says_how_to_resume_and_status_lines(
     # Not a terminal: one plain status line every --log-interval seconds.
     status = [STATUS.match(line) for line in r.lines if STATUS.match(line)]
     assert len(status) >= 3
-    assert all(s.group(3) == "120" for s in status)  # total known
+    assert all(s.group(3) == "240" for s in status)  # total known
     done = [int(s.group(2)) for s in status]
     assert done == sorted(done)
     last = next(line for line in reversed(r.lines) if STATUS.match(line))
@@ -628,7 +629,7 @@ def test_sigterm_flushes_and_says_how_to_resume_and_status_lines(
         assert field in last, (field, last)
     again = run(args)
     assert again.returncode == 0, again.stderr + again.stdout
-    _assert_complete(tmp_path / "t.out.parquet", 120)
+    _assert_complete(tmp_path / "t.out.parquet", 240)
 
 
 # ---- scale out -------------------------------------------------------------------------------

@@ -79,17 +79,40 @@ class GreedyHead:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can switch to a oneDNN-packed copy of its weight (CPU, float32)."""
+    """nn.Linear that can switch to packed copies of its weight (CPU, float32): panels for the
+    C matmul at decode sizes, oneDNN's layout for larger batches."""
 
     packed: torch.Tensor | None = None
+    panels: torch.Tensor | None = None
 
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight.data)
+    def pack(self, onednn: bool = True, panels: bool = False) -> None:
+        if onednn:
+            self.packed = pack_weight(self.weight.data)
+        if panels:
+            from cbgen.attention import native
+
+            self.panels = native.pack_panels(self.weight.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return super().forward(x)
+        return linear_cpu(x, self.weight, self.bias, self.packed, self.panels)
+
+
+def linear_cpu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    panels: torch.Tensor | None,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) through the fastest copy of the weight there is for x's rows."""
+    if panels is not None and x.dim() == 2:
+        from cbgen.attention import native
+
+        if x.shape[0] <= native.SMALL_GEMM_MAX_ROWS:
+            return native.small_gemm(x, panels, bias)
+    if packed is not None:
+        return packed_linear(x, packed, bias)
+    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -247,6 +270,7 @@ class CausalLM(nn.Module):
         self.fused_cpu_ops = False
         """Use the fused C element-wise ops (set by the loader on the CPU in float32)."""
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_panels: torch.Tensor | None = None
         self.greedy_head: GreedyHead | None = None
         """Set by the loader where bf16 matmuls are native (CPU, float32 model)."""
         if cfg.tie_word_embeddings:
@@ -325,17 +349,21 @@ class CausalLM(nn.Module):
         return native.add_rmsnorm_(residual, h, self.norm.weight, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_packed is not None:
-            return packed_linear(hidden.contiguous(), self.lm_head_packed, None)
-        return F.linear(hidden, self.head_weight)
+        return linear_cpu(hidden.contiguous(), self.head_weight, None, self.lm_head_packed, self.lm_head_panels)
 
-    def pack_linear_weights(self) -> None:
-        """Reorder every matmul weight for oneDNN (CPU float32). The LM head gets a packed
-        copy (a tied one still serves the embedding lookup)."""
+    def pack_linear_weights(self, onednn: bool = True, panels: bool = False) -> None:
+        """Reorder every matmul weight for oneDNN and/or into the C matmul's panels (CPU
+        float32). The LM head gets packed copies (a tied one still serves the embedding
+        lookup)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
-        self.lm_head_packed = pack_weight(self.head_weight.data)
+                module.pack(onednn, panels)
+        if onednn:
+            self.lm_head_packed = pack_weight(self.head_weight.data)
+        if panels:
+            from cbgen.attention import native
+
+            self.lm_head_panels = native.pack_panels(self.head_weight.data)
 
     @property
     def head_weight(self) -> torch.Tensor:

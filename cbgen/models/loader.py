@@ -301,8 +301,7 @@ def load_model(
         from cbgen.models.llama import GreedyHead, bf16_matmul_fast, onednn_packing_available
 
         model.fused_cpu_ops = fused_ops_available()
-        if onednn_packing_available():
-            model.pack_linear_weights()
+        model.pack_linear_weights(onednn=onednn_packing_available(), panels=model.fused_cpu_ops)
         if model.fused_cpu_ops and bf16_matmul_fast():
             model.greedy_head = GreedyHead(model.head_weight.data)
     return model
