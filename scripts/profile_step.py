@@ -1,11 +1,16 @@
 """Profile cbgen on SmolLM2: N requests of random prompt lengths, fixed output length.
 
-python scripts/profile_step.py --num 64 --prompt 88 --output 128 [--torch-profile]
+python scripts/profile_step.py --num 64 --prompt 88 --output 128 [--torch-profile | --cprofile]
+
+--torch-profile sees torch ops only; --cprofile also times the C kernels (called through ctypes),
+per call site, over the same 10 steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import time
 
@@ -23,6 +28,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--torch-profile", action="store_true")
+    ap.add_argument("--cprofile", action="store_true")
     ap.add_argument(
         "--profile-after", type=int, default=10, help="profile 10 steps after this many"
     )
@@ -46,6 +52,7 @@ def main() -> None:
         n = rng.randint(args.prompt // 2, args.prompt * 3 // 2)
         engine.add_request(str(i), [rng.randrange(100, 40000) for _ in range(n)], params)
     prof = None
+    cprof: cProfile.Profile | None = None
     t0 = time.perf_counter()
     steps, ptoks, dtoks = [], 0, 0
     while engine.has_unfinished_requests():
@@ -56,6 +63,15 @@ def main() -> None:
             prof.__exit__(None, None, None)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             prof = None
+        if args.cprofile and len(steps) == args.profile_after:
+            cprof = cProfile.Profile()
+            cprof.enable()
+        if cprof is not None and len(steps) == args.profile_after + 10:
+            cprof.disable()
+            profiled = steps[args.profile_after :]
+            print(f"10 steps ({sum(n for _, _, n in profiled)} decode tokens), {sum(d for d, _, _ in profiled):.3f} s:")
+            pstats.Stats(cprof).sort_stats("tottime").print_stats(15)
+            cprof = None
         out = engine.step()
         s = out.stats
         steps.append((s.duration_s, s.num_prefill_tokens, s.num_decode_tokens))
