@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-# Each source with its contraction rule: attention and the greedy head's float32 recompute
-# are free to use FMA (they only have to agree with the reference to float32 rounding); the fused element-wise ops must round exactly like
-# the torch ops they replace, so no contraction there.
+# Each source with its contraction rule: attention, the greedy head's float32 recompute and
+# the decode matmul are free to use FMA (they only have to agree with the reference to float32
+# rounding); the fused element-wise ops must round exactly like the torch ops they replace.
 _SRCS = {
     _CSRC / "paged_decode.c": ("-ffp-contract=fast",),
     # finite math lets the bound's max reductions vectorise; the source checks the logits'

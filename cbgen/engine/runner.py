@@ -206,7 +206,8 @@ class ModelRunner:
                 )
             )
         hidden = hidden[logits_indices]
-        greedy = self.model.greedy_tokens(hidden) if all(r.plain_argmax for r in rows) else None
+        plain = self.model.greedy_head is not None and all(r.plain_argmax for r in rows)
+        greedy = self.model.greedy_tokens(hidden) if plain else None
         if greedy is not None:
             sampled = greedy.tolist()
         else:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cbgen.attention import AttentionBackend, AttentionMetadata
+from cbgen.attention import AttentionBackend, AttentionMetadata, native
 from cbgen.models.config import ModelConfig
 
 
@@ -67,11 +67,8 @@ class GreedyHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Token ids [M] (int64) for hidden [M, hidden] float32; None if a logit is not finite."""
-        from cbgen.attention import native
-
-        hidden = hidden.contiguous()
         logits = packed_linear(hidden.to(torch.bfloat16), self.packed, None)
-        got = native.greedy_bf16(logits.contiguous(), hidden, self.weight, self.norms, self.a, self.b, self.c)
+        got = native.greedy_bf16(logits, hidden, self.weight, self.norms, self.a, self.b, self.c)
         if got is None:
             return None
         tokens, self.last_candidates = got
@@ -89,27 +86,23 @@ class Linear(nn.Linear):
         if onednn:
             self.packed = pack_weight(self.weight.data)
         if panels:
-            from cbgen.attention import native
-
             self.panels = native.pack_panels(self.weight.data)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_cpu(x, self.weight, self.bias, self.packed, self.panels)
+        return linear(x, self.weight, self.bias, self.packed, self.panels)
 
 
-def linear_cpu(
+def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     packed: torch.Tensor | None,
     panels: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) through the fastest copy of the weight there is for x's rows."""
-    if panels is not None and x.dim() == 2:
-        from cbgen.attention import native
-
-        if x.shape[0] <= native.SMALL_GEMM_MAX_ROWS:
-            return native.small_gemm(x, panels, bias)
+    """x @ weight.T (+ bias) through the fastest copy of the weight there is for x's rows
+    (the packed copies exist on the CPU in float32 only)."""
+    if panels is not None and x.dim() == 2 and x.shape[0] <= native.SMALL_GEMM_MAX_ROWS:
+        return native.small_gemm(x, panels, bias)
     if packed is not None:
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
@@ -318,8 +311,6 @@ class CausalLM(nn.Module):
             residual += h;  x = norm(residual)      (what the reference writes as
             h = block(x)                             h = residual + block(norm(h)))
         """
-        from cbgen.attention import native
-
         eps = self.config.rms_norm_eps
         cos, sin = self.rope.cos, self.rope.sin
         positions = positions.contiguous()
@@ -349,7 +340,7 @@ class CausalLM(nn.Module):
         return native.add_rmsnorm_(residual, h, self.norm.weight, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear_cpu(hidden.contiguous(), self.head_weight, None, self.lm_head_packed, self.lm_head_panels)
+        return linear(hidden.contiguous(), self.head_weight, None, self.lm_head_packed, self.lm_head_panels)
 
     def pack_linear_weights(self, onednn: bool = True, panels: bool = False) -> None:
         """Reorder every matmul weight for oneDNN and/or into the C matmul's panels (CPU
@@ -361,8 +352,6 @@ class CausalLM(nn.Module):
         if onednn:
             self.lm_head_packed = pack_weight(self.head_weight.data)
         if panels:
-            from cbgen.attention import native
-
             self.lm_head_panels = native.pack_panels(self.head_weight.data)
 
     @property
