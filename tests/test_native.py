@@ -69,6 +69,42 @@ def test_paged_decode_matches_the_torch_reference(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_softmax_exponentials_are_within_three_ulp_of_expf() -> None:
+    """The decode kernel's polynomial exp against torch.exp, from the maximum (exp 0 = 1)
+    down past float32's underflow, at lengths that end mid-vector."""
+    torch.manual_seed(7)
+    for n in (1, 15, 16, 17, 1000):
+        m = 3.5
+        x = m - torch.cat([torch.tensor([0.0, 1e-30, 0.3466, 0.3467, 87.0, 87.5, 104.0, 200.0]), 110.0 * torch.rand(n)])[:n]
+        x = x.contiguous()
+        want = torch.exp((x - m).double())  # the float32 difference, like expf(s - m)
+        got = x.clone()
+        total = native.exp_sub_sum_(got, m)
+        # 3 ulp; results at the bottom of float32's normal range may flush to zero
+        ulp = torch.finfo(torch.float32).eps * want
+        assert ((got.double() - want).abs() <= (3 * ulp).clamp(min=2 * torch.finfo(torch.float32).tiny)).all(), n
+        assert total == pytest.approx(float(want.sum()), rel=1e-6)
+
+
+def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
+    """Scores from about -400 to 400: the kernel's exponentials underflow to zero far below
+    the maximum and stay accurate near it; 40 sequences take every thread through several
+    items (each prefetches the next one's blocks)."""
+    torch.manual_seed(6)
+    batch, hkv, group, d, bs = 40, 3, 3, 64, 16
+    kv = torch.randn(2, 8 * batch, bs, hkv, d)
+    seq_lens = torch.randint(1, 8 * bs, (batch,), dtype=torch.int32)
+    block_table = torch.randperm(8 * batch).view(batch, 8).int()
+    q = 60.0 * torch.randn(batch, hkv * group, d)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    exact = torch_backend.paged_attention(q.double(), kv.double(), block_table, qsl, seq_lens, 0.125)
+    torch_error = (torch_backend.paged_attention(q, kv, block_table, qsl, seq_lens, 0.125) - exact).abs().max()
+    got = native.paged_decode_f32(q, kv, block_table, seq_lens, 0.125)
+    assert got is not None
+    # scores this large amplify float32 rounding: as close to the float64 result as torch is
+    assert (got - exact).abs().max() <= 2 * torch_error + 1e-6
+
+
 def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
     """Decodes, small prefill chunks (with and without cached context: the C kernel, one
     query token at a time) and a chunk too large for it (SDPA) in one flat batch."""

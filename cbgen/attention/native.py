@@ -70,6 +70,8 @@ def load_library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
     fn.restype = ctypes.c_int
+    lib.cbgen_exp_sub_sum_f32.argtypes = [p, i64, ctypes.c_float]
+    lib.cbgen_exp_sub_sum_f32.restype = ctypes.c_float
     lib.cbgen_add_rmsnorm_f32.argtypes = [p, p, p, ctypes.c_float, i64, i64, p]
     lib.cbgen_add_rmsnorm_f32.restype = None
     lib.cbgen_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p, p]
@@ -84,6 +86,16 @@ def load_library() -> ctypes.CDLL | None:
     lib.cbgen_small_gemm_f32.argtypes = [p, i64, i64, p, i64, p, p]
     lib.cbgen_small_gemm_f32.restype = None
     return lib
+
+
+def exp_sub_sum_(scores: torch.Tensor, m: float) -> float | None:
+    """The decode kernel's softmax step on its own: scores[i] = exp(scores[i] - m) in place
+    (float32, contiguous, every score <= m); returns their sum. None without the kernels."""
+    lib = load_library()
+    if lib is None:
+        return None
+    assert scores.dtype == torch.float32 and scores.is_contiguous()
+    return lib.cbgen_exp_sub_sum_f32(scores.data_ptr(), scores.numel(), m)
 
 
 def paged_decode_f32(

@@ -9,14 +9,21 @@
  *   seq_lens     [B] int32; sequence b attends to tokens [0, seq_lens[b])
  *
  * Work item = (sequence, a range of KV heads): a whole batch of decodes is one item per
- * sequence, so each block is read as one contiguous run of bs * Hkv * D floats (memory
- * streams at full speed; cold caches are the normal case, as a step touches every layer's
- * KV once). The KV heads are split into ranges only when there are too few sequences to keep
- * every thread busy. The G = H / Hkv query heads of a group share every K/V row they read.
- * Softmax is exact (max-subtracted, normalised at the end).
+ * sequence, so each block is read as one contiguous run of bs * Hkv * D floats. The KV heads
+ * are split into ranges only when there are too few sequences to keep every thread busy. The
+ * G = H / Hkv query heads of a group share every K/V row they read. Softmax is exact
+ * (max-subtracted, normalised at the end); its exponentials are a vectorised polynomial.
+ *
+ * Cold caches are the normal case (a step touches every layer's KV once), so the kernel is
+ * as fast as its memory reads. Blocks sit anywhere in the cache, which the hardware
+ * prefetchers cannot guess: the kernel walks its reads in order (K blocks, then V blocks,
+ * then the first K blocks of the item it takes next) and prefetches two blocks ahead a slice
+ * at a time, between the query heads' passes over the current block. Issuing a whole block's
+ * prefetches at once stalls on the miss buffers; spread out, the reads overlap the arithmetic.
  */
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,8 +108,128 @@ static void pv_rows_any(const float *p, const float *v0, int64_t tok_stride, int
         for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * v0[t * tok_stride + d];
 }
 
-static inline void prefetch_block(const float *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 1);
+/* Sixteen floats for the softmax (two AVX2 or one AVX-512 register). */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+/* exp(x) for x <= 0 (a score minus its row's maximum): Cody-Waite reduction by ln 2 and a
+ * degree-6 polynomial (the Cephes expf coefficients), within 3 ulp of expf; 0 below -87.33. */
+static inline v16 exp_nonpositive(v16 x) {
+    const i16v n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16v); /* rounds x log2(e) for x <= 0 */
+    const v16 nf = __builtin_convertvector(n, v16);
+    v16 r = x - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    i16v bits = (i16v)p + (n << 23);
+    bits &= (i16v)(x >= -87.33f); /* below, the result would leave the normal range */
+    return (v16)bits;
+}
+
+/* s[t] = exp(s[t] - m) for t < n; returns their sum */
+static float exp_sub_sum(float *s, int64_t n, float m) {
+    v16 acc = {0};
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        const v16 e = exp_nonpositive(*(v16u *)(s + t) - m);
+        *(v16u *)(s + t) = e;
+        acc += e;
+    }
+    v16 x;
+    for (int i = 0; i < 16; ++i) x[i] = t + i < n ? s[t + i] - m : -INFINITY;
+    const v16 e = exp_nonpositive(x);
+    for (int i = 0; t + i < n; ++i) s[t + i] = e[i];
+    acc += e; /* lanes past n are exp(-inf) = 0 */
+    float a = 0.0f;
+    for (int i = 0; i < 16; ++i) a += acc[i];
+    return a;
+}
+
+/* the softmax's exponentials on their own, for the tests */
+float cbgen_exp_sub_sum_f32(float *s, int64_t n, float m) { return exp_sub_sum(s, n, m); }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* Scores of 16 tokens against one query head of size 64: one 16-wide vector of partial sums
+ * per token, then a transposing reduction turns the 16 vectors into the 16 scores (about two
+ * shuffles a token instead of a full horizontal sum each). */
+static inline void qk16_d64(const float *qh, const float *k0, int64_t tok_stride, float scale,
+                            float *dst, float *mx) {
+    const __m512 q0 = _mm512_loadu_ps(qh), q1 = _mm512_loadu_ps(qh + 16);
+    const __m512 q2 = _mm512_loadu_ps(qh + 32), q3 = _mm512_loadu_ps(qh + 48);
+    __m512 a[16], b[8], c[4];
+    for (int t = 0; t < 16; ++t) {
+        const float *r = k0 + t * tok_stride;
+        __m512 x = _mm512_mul_ps(q0, _mm512_loadu_ps(r));
+        x = _mm512_fmadd_ps(q1, _mm512_loadu_ps(r + 16), x);
+        x = _mm512_fmadd_ps(q2, _mm512_loadu_ps(r + 32), x);
+        a[t] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(r + 48), x);
+    }
+    for (int i = 0; i < 8; ++i) /* pairs of tokens: lanes (t, t+1, t, t+1) per 128 bits */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) { /* quads: tokens 4i..4i+3 in every 128-bit lane */
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* add the four 128-bit lanes: token t ends up in lane t */
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
+    r = _mm512_mul_ps(r, _mm512_set1_ps(scale));
+    _mm512_storeu_ps(dst, r);
+    const float m = _mm512_reduce_max_ps(r);
+    if (m > *mx) *mx = m;
+}
+#endif
+
+/* Scores of one block's nt tokens against one query head. */
+static inline void qk_block(const float *qh, const float *k0, int64_t tok_stride, int64_t nt,
+                            int64_t D, float scale, float *dst, float *mx) {
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    if (D == 64)
+        for (; t + 16 <= nt; t += 16) qk16_d64(qh, k0 + t * tok_stride, tok_stride, scale, dst + t, mx);
+#endif
+    if (t == nt) return;
+    if (D == 64) qk_rows_8(qh, k0 + t * tok_stride, tok_stride, nt - t, scale, dst + t, mx);
+    else if (D == 128) qk_rows_16(qh, k0 + t * tok_stride, tok_stride, nt - t, scale, dst + t, mx);
+    else qk_rows_any(qh, k0 + t * tok_stride, tok_stride, nt - t, D, scale, dst + t, mx);
+}
+
+/* The blocks an item reads, in order: K blocks, V blocks, then the next item's first K
+ * blocks. Prefetching walks this sequence `AHEAD` blocks in front of the reads. */
+#define AHEAD 2
+typedef struct {
+    const float *k_cache, *v_cache;
+    const int32_t *bt, *next_bt; /* next_bt: the next item's block table row, or NULL */
+    int64_t nblk, next_nblk, blk_stride;
+    const float *cur;             /* block being prefetched, NULL when none */
+    int64_t done, slice;          /* floats of it prefetched so far, floats per call */
+} prefetcher;
+
+static void prefetch_target(prefetcher *pf, int64_t pos) {
+    pos += AHEAD;
+    const int64_t n = pf->nblk;
+    pf->done = 0;
+    if (pos < n) pf->cur = pf->k_cache + (int64_t)pf->bt[pos] * pf->blk_stride;
+    else if (pos < 2 * n) pf->cur = pf->v_cache + (int64_t)pf->bt[pos - n] * pf->blk_stride;
+    else if (pf->next_bt && pos - 2 * n < pf->next_nblk)
+        pf->cur = pf->k_cache + (int64_t)pf->next_bt[pos - 2 * n] * pf->blk_stride;
+    else pf->cur = NULL;
+}
+
+/* the next slice of the target block, into L2 */
+static inline void prefetch_some(prefetcher *pf) {
+    if (!pf->cur) return;
+    const int64_t end = pf->done + pf->slice < pf->blk_stride ? pf->done + pf->slice : pf->blk_stride;
+    for (; pf->done < end; pf->done += 16) __builtin_prefetch(pf->cur + pf->done, 0, 1);
 }
 
 int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
@@ -119,6 +246,8 @@ int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_
     const int64_t threads = omp_get_max_threads();
     int64_t splits = 1;
     while (splits < Hkv && B * splits < 4 * threads) ++splits;
+    const int64_t items = B * splits;
+    atomic_long next_item = 0;
     int failed = 0;
 #pragma omp parallel
     {
@@ -128,9 +257,16 @@ int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < B * splits; ++w) {
-            if (!scores || !acc) continue;
+        /* Items are taken one at a time like schedule(dynamic, 1), but each thread claims its
+         * next item before it starts the current one, so it can prefetch that item's first
+         * blocks while it finishes this one. */
+        int64_t w = atomic_fetch_add(&next_item, 1);
+        while (w < items) {
+            const int64_t w_next = atomic_fetch_add(&next_item, 1);
+            if (!scores || !acc) {
+                w = w_next;
+                continue;
+            }
             const int64_t b = w / splits, s = w % splits;
             const int64_t h0 = s * Hkv / splits, h1 = (s + 1) * Hkv / splits;
             const int64_t nh = (h1 - h0) * G; /* query heads of this item */
@@ -140,42 +276,43 @@ int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_
             const float *qb = q + (b * H + h0 * G) * D;
             float mx[MAX_GROUP * 64];
             float *m = nh <= MAX_GROUP * 64 ? mx : NULL;
-            if (!m) continue; /* H > 1024 query heads: not a model we know */
+            if (!m) { /* H > 1024 query heads: not a model we know */
+                w = w_next;
+                continue;
+            }
+            prefetcher pf = {k_cache, v_cache, bt, NULL, nblk, 0, blk_stride, NULL, 0, 0};
+            pf.slice = (blk_stride / nh + 15) / 16 * 16; /* a block per pass over the heads */
+            if (w_next < items) {
+                const int64_t bn = w_next / splits;
+                pf.next_bt = block_table + bn * bt_stride;
+                pf.next_nblk = (seq_lens[bn] + bs - 1) / bs;
+            }
             for (int64_t h = 0; h < nh; ++h) m[h] = -INFINITY;
             /* scores[h * L + t] = q_h . k_t * scale, block by block */
             for (int64_t j = 0; j < nblk; ++j) {
                 const float *blk = k_cache + (int64_t)bt[j] * blk_stride;
-                if (j + 2 < nblk) prefetch_block(k_cache + (int64_t)bt[j + 2] * blk_stride, blk_stride);
                 const int64_t t0 = j * bs, nt = L - t0 < bs ? L - t0 : bs;
+                prefetch_target(&pf, j);
                 for (int64_t hk = h0; hk < h1; ++hk)
                     for (int64_t g = 0; g < G; ++g) {
                         const int64_t h = (hk - h0) * G + g;
-                        const float *qh = qb + h * D, *k0 = blk + hk * D;
-                        float *dst = scores + h * L + t0;
-                        if (D == 64) qk_rows_8(qh, k0, tok_stride, nt, scale, dst, m + h);
-                        else if (D == 128) qk_rows_16(qh, k0, tok_stride, nt, scale, dst, m + h);
-                        else qk_rows_any(qh, k0, tok_stride, nt, D, scale, dst, m + h);
+                        prefetch_some(&pf);
+                        qk_block(qb + h * D, blk + hk * D, tok_stride, nt, D, scale,
+                                 scores + h * L + t0, m + h);
                     }
             }
             float sum[MAX_GROUP * 64];
-            for (int64_t h = 0; h < nh; ++h) {
-                float a = 0.0f;
-                float *sh = scores + h * L;
-                for (int64_t t = 0; t < L; ++t) {
-                    sh[t] = expf(sh[t] - m[h]);
-                    a += sh[t];
-                }
-                sum[h] = a;
-            }
+            for (int64_t h = 0; h < nh; ++h) sum[h] = exp_sub_sum(scores + h * L, L, m[h]);
             memset(acc, 0, sizeof(float) * (size_t)(nh * D));
             for (int64_t j = 0; j < nblk; ++j) {
                 const float *blk = v_cache + (int64_t)bt[j] * blk_stride;
-                if (j + 2 < nblk) prefetch_block(v_cache + (int64_t)bt[j + 2] * blk_stride, blk_stride);
                 const int64_t t0 = j * bs, nt = L - t0 < bs ? L - t0 : bs;
+                prefetch_target(&pf, nblk + j);
                 for (int64_t hk = h0; hk < h1; ++hk)
                     for (int64_t g = 0; g < G; ++g) {
                         const int64_t h = (hk - h0) * G + g;
                         const float *p = scores + h * L + t0, *v0 = blk + hk * D;
+                        prefetch_some(&pf);
                         if (D == 64) pv_rows_8(p, v0, tok_stride, nt, acc + h * D);
                         else if (D == 128) pv_rows_16(p, v0, tok_stride, nt, acc + h * D);
                         else pv_rows_any(p, v0, tok_stride, nt, D, acc + h * D);
@@ -186,6 +323,7 @@ int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_
                 const float inv = 1.0f / sum[h];
                 for (int64_t d = 0; d < D; ++d) ob[h * D + d] = acc[h * D + d] * inv;
             }
+            w = w_next;
         }
         free(scores);
         free(acc);
