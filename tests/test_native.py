@@ -107,23 +107,34 @@ def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
 
 def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
     """Decodes, small prefill chunks (with and without cached context: the C kernel, one
-    query token at a time) and a chunk too large for it (SDPA) in one flat batch."""
+    query token at a time) and chunks too large for it (SDPA, with and without cached
+    context) in one flat batch; the SDPA chunks also against a float64 softmax written out."""
     torch.manual_seed(4)
     bs, hkv, group, d, num_blocks = 16, 2, 3, 64, 96
     kv = torch.randn(2, num_blocks, bs, hkv, d)
-    # (query_len, seq_len): decode, small first chunk, small chunk after context, big chunk, decode
-    shape = [(1, 40), (12, 12), (9, 70), (150, 230), (1, 3)]
-    assert 150 * (230 - 75) > torch_backend.NATIVE_PREFILL_ROWS > 9 * (70 - 4.5)
+    # (query_len, seq_len): decode, small first chunk, small chunk after context, big chunk
+    # after context, big first chunk, decode
+    shape = [(1, 40), (12, 12), (9, 70), (150, 230), (140, 140), (1, 3)]
+    assert 140 * (140 - 70) > torch_backend.NATIVE_PREFILL_ROWS > 9 * (70 - 4.5)
     qsl = torch.tensor([0] + [q for q, _ in shape], dtype=torch.int32).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([s for _, s in shape], dtype=torch.int32)
-    block_table = torch.randperm(num_blocks)[: 5 * 16].view(5, 16).int()
+    block_table = torch.randperm(num_blocks)[: 6 * 15].view(6, 15).int()
     q = torch.randn(int(qsl[-1]), hkv * group, d)
     plan = torch_backend.plan_attention(block_table, qsl, seq_lens, bs, native=True)
-    assert plan.native is not None and len(plan.native.prefills) == 1
-    assert plan.native.tokens.shape[0] == int(qsl[-1]) - 150
+    assert plan.native is not None and len(plan.native.prefills) == 2
+    assert plan.native.tokens.shape[0] == int(qsl[-1]) - 150 - 140
     got = torch_backend.attend(q, kv, plan, 0.125, native=True)
     want = torch_backend.attend(q, kv, torch_backend.plan_attention(block_table, qsl, seq_lens, bs), 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for i in (3, 4):
+        (qlen, seq_len), start = shape[i], int(qsl[i])
+        keys = kv[:, block_table[i]].flatten(1, 2)[:, :seq_len].double()  # [2, L, Hkv, D]
+        k, v = keys[0].repeat_interleave(group, 1), keys[1].repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[start : start + qlen].double(), k) * 0.125
+        visible = torch.arange(seq_len)[None, :] <= seq_len - qlen + torch.arange(qlen)[:, None]
+        p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        exact = torch.einsum("hqk,khd->qhd", p, v)
+        torch.testing.assert_close(got[start : start + qlen].double(), exact, rtol=1e-5, atol=1e-5)
     # every token through the kernel: the result comes straight back from it
     small = torch_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs, native=True)
     n = int(qsl[3])
