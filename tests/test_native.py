@@ -84,6 +84,10 @@ def test_softmax_exponentials_are_within_three_ulp_of_expf() -> None:
         ulp = torch.finfo(torch.float32).eps * want
         assert ((got.double() - want).abs() <= (3 * ulp).clamp(min=2 * torch.finfo(torch.float32).tiny)).all(), n
         assert total == pytest.approx(float(want.sum()), rel=1e-6)
+    # a NaN score (a broken model) stays visible instead of silently weighing nothing
+    x = torch.tensor([0.0, float("nan"), -1.0, float("-inf")])
+    total = native.exp_sub_sum_(x, 0.0)
+    assert x[0] == 1.0 and x[1].isnan() and x[3] == 0.0 and total != total
 
 
 def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:

@@ -127,7 +127,7 @@ static inline v16 exp_nonpositive(v16 x) {
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + r + 1.0f;
     i16v bits = (i16v)p + (n << 23);
-    bits &= (i16v)(x >= -87.33f); /* below, the result would leave the normal range */
+    bits &= ~(i16v)(x < -87.33f); /* below, the result would leave the normal range; NaN stays NaN */
     return (v16)bits;
 }
 
