@@ -6,7 +6,10 @@
  * hardware prefetcher streams, and the next panel is prefetched into L2 while the first rows of
  * this one are computed. Each panel then stays in L2 while every row block passes over it: a
  * 12 x 32 register tile (24 accumulators of 16 floats) takes one broadcast per row and two
- * panel loads per k. Threads split the panels.
+ * panel loads per k. The rows are cut into as few tiles of at most 12 as possible, of equal
+ * height (41 rows: 11 + 10 + 10 + 10, not 12 + 12 + 12 + 4 + 1): a short leftover tile has
+ * too few independent accumulators to hide the FMA latency and costs nearly a full one.
+ * Threads split the panels.
  *
  * Each output is one sum over k in order, whatever M is: a row's result does not depend on the
  * other rows in the batch.
@@ -60,30 +63,38 @@ void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp) {
     }
 
 KERNEL(12)
+KERNEL(11)
+KERNEL(10)
+KERNEL(9)
 KERNEL(8)
+KERNEL(7)
+KERNEL(6)
+KERNEL(5)
 KERNEL(4)
+KERNEL(3)
 KERNEL(2)
 KERNEL(1)
+
+typedef void (*kern_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, const float *);
+static const kern_fn KERNS[13] = {0,       kern_1, kern_2, kern_3,  kern_4,  kern_5, kern_6,
+                                  kern_7, kern_8, kern_9, kern_10, kern_11, kern_12};
 
 /* x [M, K] and y [M, N] contiguous, N a multiple of 32, bias [N] or NULL. */
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                           const float *bias, float *y) {
     const int64_t P = N / NR;
+    /* tile t takes rows [m, m + rows): the rows left shared evenly by the tiles left */
+    const int64_t tiles = (M + 11) / 12;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < P; ++p) {
         const float *panel = wp + p * K * NR;
         const float *next = p + 1 < P ? panel + K * NR : 0;
         const float *b = bias ? bias + p * NR : 0;
-        for (int64_t m = 0; m < M;) {
-            const int64_t left = M - m;
-            const float *pf = m == 0 ? next : 0;
-            const float *xo = x + m * K;
-            float *yo = y + m * N + p * NR;
-            if (left >= 12) kern_12(xo, K, panel, b, yo, N, pf), m += 12;
-            else if (left >= 8) kern_8(xo, K, panel, b, yo, N, pf), m += 8;
-            else if (left >= 4) kern_4(xo, K, panel, b, yo, N, pf), m += 4;
-            else if (left >= 2) kern_2(xo, K, panel, b, yo, N, pf), m += 2;
-            else kern_1(xo, K, panel, b, yo, N, pf), m += 1;
+        int64_t m = 0;
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t rows = (M - m) / (tiles - t);
+            KERNS[rows](x + m * K, K, panel, b, y + m * N + p * NR, N, t == 0 ? next : 0);
+            m += rows;
         }
     }
 }
