@@ -13,21 +13,11 @@ streaming read of 256 MB (torch.Tensor.sum) as the machine's reference bandwidth
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from timing import median_time  # scripts/timing.py (this folder is on sys.path)
 
 from cbgen.attention import native
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
