@@ -69,6 +69,23 @@ def test_paged_decode_matches_the_torch_reference(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_paged_decode_refuses_shapes_it_cannot_hold_and_attend_falls_back() -> None:
+    """More query heads per KV head than the kernel's group limit: the kernel says no (None)
+    instead of writing nothing, and the backend answers through the torch path."""
+    torch.manual_seed(8)
+    batch, hkv, group, d, bs = 3, 1, 17, 64, 16
+    kv = torch.randn(2, 12, bs, hkv, d)
+    seq_lens = torch.tensor([5, 16, 40], dtype=torch.int32)
+    block_table = torch.randperm(12)[:9].view(batch, 3).int()
+    q = torch.randn(batch, hkv * group, d)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    assert native.paged_decode_f32(q, kv, block_table, seq_lens, 0.125) is None
+    plan = torch_backend.plan_attention(block_table, qsl, seq_lens, bs, native=True)
+    got = torch_backend.attend(q, kv, plan, 0.125, native=True)
+    want = torch_backend.paged_attention(q, kv, block_table, qsl, seq_lens, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_softmax_exponentials_are_within_three_ulp_of_expf() -> None:
     """The decode kernel's polynomial exp against torch.exp, from the maximum (exp 0 = 1)
     down past float32's underflow, at lengths that end mid-vector."""

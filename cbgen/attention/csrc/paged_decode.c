@@ -30,6 +30,7 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
+#define MAX_HEADS 1024
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.0f;
@@ -237,7 +238,9 @@ int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_
                            const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv,
                            int64_t D, int64_t bs, float scale, float *out) {
     const int64_t G = H / Hkv;
-    if (G > MAX_GROUP || D > MAX_HEAD_DIM || G * Hkv != H) return -1;
+    /* (the per-item arrays below hold up to MAX_HEADS query heads; past that, the caller's
+     * torch path) */
+    if (G > MAX_GROUP || D > MAX_HEAD_DIM || G * Hkv != H || H > MAX_HEADS) return -1;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; ++b)
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
@@ -274,12 +277,7 @@ int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_
             const int64_t nblk = (L + bs - 1) / bs;
             const int32_t *bt = block_table + b * bt_stride;
             const float *qb = q + (b * H + h0 * G) * D;
-            float mx[MAX_GROUP * 64];
-            float *m = nh <= MAX_GROUP * 64 ? mx : NULL;
-            if (!m) { /* H > 1024 query heads: not a model we know */
-                w = w_next;
-                continue;
-            }
+            float m[MAX_HEADS];
             prefetcher pf = {k_cache, v_cache, bt, NULL, nblk, 0, blk_stride, NULL, 0, 0};
             pf.slice = (blk_stride / nh + 15) / 16 * 16; /* a block per pass over the heads */
             if (w_next < items) {
@@ -301,7 +299,7 @@ int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_
                                  scores + h * L + t0, m + h);
                     }
             }
-            float sum[MAX_GROUP * 64];
+            float sum[MAX_HEADS];
             for (int64_t h = 0; h < nh; ++h) sum[h] = exp_sub_sum(scores + h * L, L, m[h]);
             memset(acc, 0, sizeof(float) * (size_t)(nh * D));
             for (int64_t j = 0; j < nblk; ++j) {
