@@ -52,7 +52,7 @@ class AttentionPlan:
     decode_mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] True = attend
     decode_seq_lens: torch.Tensor  # [Bd] int32
     # Prefill chunks (query_len > 1), one call each: (token_start, token_end, seq_len, blocks)
-    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]
+    prefills: list[tuple[int, int, int, torch.Tensor]]
     native: NativePlan | None = None
     """For the C kernel (CPU): built when plan_attention is asked for it."""
 
@@ -67,7 +67,7 @@ class NativePlan:
     tokens: torch.Tensor  # [N] token indices in the flat batch
     blocks: torch.Tensor  # [N, nb] int32 block table row of each token's sequence
     seq_lens: torch.Tensor  # [N] int32 keys each token sees
-    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]
+    prefills: list[tuple[int, int, int, torch.Tensor]]
     """The prefill chunks left to SDPA."""
 
 
@@ -94,12 +94,7 @@ def plan_attention(
         if qlen > 1:
             seq_len = lens[i]
             nb = -(-seq_len // block_size)
-            ctx = seq_len - qlen
-            # mask[j, k]: query j (position ctx + j) sees key k <= ctx + j
-            mask = torch.arange(nb * block_size, device=device)[None, :] <= (
-                ctx + torch.arange(qlen, device=device)[:, None]
-            )
-            prefills.append((qsl[i], qsl[i + 1], seq_len, block_table[i, :nb], mask))
+            prefills.append((qsl[i], qsl[i + 1], seq_len, block_table[i, :nb]))
     if decode_rows:
         rows = torch.tensor(decode_rows, device=device)
         dec_lens = seq_lens[rows]
@@ -126,7 +121,7 @@ def _native_plan(
     qsl: list[int],
     lens: list[int],
     block_size: int,
-    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]],
+    prefills: list[tuple[int, int, int, torch.Tensor]],
 ) -> NativePlan:
     left = {p[0]: p for p in prefills}
     tokens, rows, keys = [], [], []
@@ -207,20 +202,24 @@ def attend(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
         )
         out[plan.decode_tokens] = o.reshape(bd, num_heads, head_dim)
-    for start, end, seq_len, blocks, mask in prefills:
+    for start, end, seq_len, blocks in prefills:
         qlen = end - start
+        ctx = seq_len - qlen
         # [1, H, Q, D] against [1, Hkv, L, D]: 4-D inputs take torch's flash kernel on the CPU
         # (3-D ones fall back to its unfused math path, about 4x slower on an 800-token prompt)
         q = query[start:end].transpose(0, 1)[None]
         k = key_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None].to(q.dtype)
         v = value_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None].to(q.dtype)
-        causal = qlen == seq_len  # no cached context: the plain causal mask
+        mask = None  # no cached context: the plain causal mask
+        if ctx:  # query j (position ctx + j) sees keys k <= ctx + j
+            dev = query.device
+            mask = torch.arange(seq_len, device=dev)[None, :] <= ctx + torch.arange(qlen, device=dev)[:, None]
         o = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            attn_mask=None if causal else mask[:, :seq_len],
-            is_causal=causal,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=group > 1,
         )

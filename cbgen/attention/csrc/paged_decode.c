@@ -262,14 +262,11 @@ int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_
         }
         /* Items are taken one at a time like schedule(dynamic, 1), but each thread claims its
          * next item before it starts the current one, so it can prefetch that item's first
-         * blocks while it finishes this one. */
+         * blocks while it finishes this one. (A thread without its buffers leaves the work
+         * to the others; the call then reports the failure.) */
         int64_t w = atomic_fetch_add(&next_item, 1);
-        while (w < items) {
+        while (scores && acc && w < items) {
             const int64_t w_next = atomic_fetch_add(&next_item, 1);
-            if (!scores || !acc) {
-                w = w_next;
-                continue;
-            }
             const int64_t b = w / splits, s = w % splits;
             const int64_t h0 = s * Hkv / splits, h1 = (s + 1) * Hkv / splits;
             const int64_t nh = (h1 - h0) * G; /* query heads of this item */
