@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cbgen.bench import sharegpt
-from cbgen.bench.command import parse_sweep, plan_columns
+from cbgen.bench.command import _ratio_columns, parse_sweep, plan_columns
 from cbgen.bench.report import summarize
 from cbgen.bench.runner import run_workload
 from cbgen.bench.workloads import (
@@ -181,6 +181,18 @@ def test_options_parsing() -> None:
         ("static max_num_seqs=4", "static", {"max_num_seqs": 4}),
     ]
     assert [c.label for c in plan_columns("static", None, ("block_size", [8]))] == ["block_size=8"]
+    # a value given again is a repeat (to see the run-to-run spread), not a column to overwrite
+    again = plan_columns("continuous", None, ("max_num_seqs", [64, 256, 64, 64]))
+    assert [c.label for c in again] == ["max_num_seqs=64", "max_num_seqs=256", "max_num_seqs=64 #2", "max_num_seqs=64 #3"]
+    both = plan_columns("continuous", "static", ("max_num_seqs", [4, 4]))
+    assert [c.label for c in both] == [
+        "continuous max_num_seqs=4", "static max_num_seqs=4", "continuous max_num_seqs=4 #2", "static max_num_seqs=4 #2"
+    ]
+    fake = {c.label: {"output_tokens_per_s": 10.0 * (i + 1)} for i, c in enumerate(both)}
+    ratios = _ratio_columns(both, fake)
+    assert list(ratios) == ["continuous / static max_num_seqs=4", "continuous / static max_num_seqs=4 #2"]
+    assert ratios["continuous / static max_num_seqs=4"]["output_tokens_per_s"] == pytest.approx(10.0 / 20.0)
+    assert ratios["continuous / static max_num_seqs=4 #2"]["output_tokens_per_s"] == pytest.approx(30.0 / 40.0)
 
 
 # ---- arrivals and the runner ---------------------------------------------------------------------

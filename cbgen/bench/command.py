@@ -37,6 +37,9 @@ class Column:
     label: str
     policy: str
     overrides: dict[str, Any]
+    repeat: int = 1
+    """1 for a sweep value's first column, 2 for the same value given again (its label gets
+    " #2"), and so on: repeating a value measures the run-to-run spread."""
 
 
 
@@ -74,11 +77,15 @@ def plan_columns(policy: str, compare: str | None, sweep: tuple[str, list[Any]] 
     if sweep is None:
         return [Column(p, p, {}) for p in policies]
     knob, values = sweep
-    return [
-        Column(f"{knob}={v}" if len(policies) == 1 else f"{p} {knob}={v}", p, {knob: v})
-        for v in values
-        for p in policies
-    ]
+    columns = []
+    seen: dict[str, int] = {}
+    for v in values:
+        point = f"{knob}={v}"
+        repeat = seen[point] = seen.get(point, 0) + 1
+        point += f" #{repeat}" if repeat > 1 else ""
+        for p in policies:
+            columns.append(Column(point if len(policies) == 1 else f"{p} {point}", p, {knob: v}, repeat))
+    return columns
 
 
 def bench(
@@ -281,13 +288,13 @@ def _ratio_columns(columns: list[Column], results: dict[str, Any]) -> dict[str, 
     """continuous / static for every point where both policies ran."""
     from cbgen.bench.report import ratios
 
-    points: dict[tuple[tuple[str, Any], ...], dict[str, str]] = {}
+    points: dict[tuple[tuple[tuple[str, Any], ...], int], dict[str, str]] = {}
     for c in columns:
-        points.setdefault(tuple(sorted(c.overrides.items())), {})[c.policy] = c.label
+        points.setdefault((tuple(sorted(c.overrides.items())), c.repeat), {})[c.policy] = c.label
     out = {}
-    for key, labels in points.items():
+    for (key, repeat), labels in points.items():
         if "continuous" in labels and "static" in labels:
-            suffix = " ".join(f"{k}={v}" for k, v in key)
+            suffix = " ".join(f"{k}={v}" for k, v in key) + (f" #{repeat}" if repeat > 1 else "")
             name = "continuous / static" + (f" {suffix}" if suffix else "")
             out[name] = ratios(results[labels["continuous"]], results[labels["static"]])
     return out
