@@ -1,6 +1,6 @@
 """Profile cbgen on SmolLM2: N requests of random prompt lengths, fixed output length.
 
-python scripts/profile_step.py --num 64 --prompt 88 --output 128 [--torch-profile | --cprofile]
+python scripts/profile_step.py --num 64 --prompt 88 --output 128 [--temperature 1] [--torch-profile | --cprofile]
 
 --torch-profile sees torch ops only; --cprofile also times the C kernels (called through ctypes),
 per call site, over the same 10 steps.
@@ -34,6 +34,11 @@ def main() -> None:
     )
     ap.add_argument("--model", default=None)
     ap.add_argument("--load-format", default="auto")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; > 0: seeded sampling (cbgen bench uses 1)"
+    )
+    ap.add_argument("--sort", default="tottime", help="--cprofile: pstats sort key (tottime, cumtime, ...)")
+    ap.add_argument("--rows", type=int, default=15, help="--cprofile: rows to print")
     args = ap.parse_args()
     t0 = time.perf_counter()
     engine = Engine(
@@ -47,7 +52,9 @@ def main() -> None:
     )
     print(f"init {time.perf_counter() - t0:.1f}s threads={torch.get_num_threads()}")
     rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.output, ignore_eos=True, seed=1 if args.temperature else None
+    )
     for i in range(args.num):
         n = rng.randint(args.prompt // 2, args.prompt * 3 // 2)
         engine.add_request(str(i), [rng.randrange(100, 40000) for _ in range(n)], params)
@@ -70,7 +77,7 @@ def main() -> None:
             cprof.disable()
             profiled = steps[args.profile_after :]
             print(f"10 steps ({sum(n for _, _, n in profiled)} decode tokens), {sum(d for d, _, _ in profiled):.3f} s:")
-            pstats.Stats(cprof).sort_stats("tottime").print_stats(15)
+            pstats.Stats(cprof).sort_stats(args.sort).print_stats(args.rows)
             cprof = None
         out = engine.step()
         s = out.stats
