@@ -107,6 +107,29 @@ def test_softmax_exponentials_are_within_three_ulp_of_expf() -> None:
     assert x[0] == 1.0 and x[1].isnan() and x[3] == 0.0 and total != total
 
 
+def test_silu_mul_matches_silu_times_up_to_a_few_ulp() -> None:
+    """One pass over gate-up [T, 2I] against torch's silu(gate) * up, computed in float64 from
+    the same float32 inputs: both sides of 0, |g| up to 100 (exp underflows), widths that end
+    mid-vector; torch's infinities and NaN."""
+    torch.manual_seed(3)
+    for t, i in ((1, 1), (3, 15), (2, 16), (5, 17), (4, 1536)):
+        g = torch.cat([torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, -100.0]), 8 * torch.randn(t * i)])
+        gu = torch.stack([g[: t * i].view(t, i), torch.randn(t, i)], dim=1).reshape(t, 2 * i)
+        got = native.silu_mul(gu)
+        gd, ud = gu[:, :i].double(), gu[:, i:].double()
+        want = gd / (1 + torch.exp(-gd)) * ud
+        assert got.shape == (t, i)
+        # a few ulp of each result (the exp's 3, the division's and product's rounding); below
+        # g = -87.33 the exp flushes to zero, so results under ~1e-36 in size may be 0
+        tol = 6 * torch.finfo(torch.float32).eps * want.abs() + 1e-35
+        assert ((got.double() - want).abs() <= tol).all(), (t, i)
+    special = torch.tensor([[float("inf"), float("-inf"), float("nan"), 1.0, 2.0, 2.0, 2.0, float("inf")]])
+    got, want = native.silu_mul(special), torch.nn.functional.silu(special[:, :4]) * special[:, 4:]
+    assert got[0, 0] == want[0, 0] == float("inf")
+    assert got[0, 1].isnan() and want[0, 1].isnan() and got[0, 2].isnan() and want[0, 2].isnan()
+    assert got[0, 3] == pytest.approx(float(want[0, 3]), rel=1e-6)
+
+
 def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
     """Scores from about -400 to 400: the kernel's exponentials underflow to zero far below
     the maximum and stay accurate near it; 40 sequences take every thread through several
@@ -224,3 +247,4 @@ def test_linear_takes_the_panels_for_small_batches_only(monkeypatch: pytest.Monk
         x = torch.randn(m, 64)
         torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-4)
     assert calls == [1, native.SMALL_GEMM_MAX_ROWS]
+

@@ -305,8 +305,8 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """The same computation on the CPU in float32 with the fused C ops of
-        cbgen.attention.native: residual add + RMSNorm, RoPE in place (torch's vectorised SiLU
-        beats a scalar C loop, so the MLP stays as it is).
+        cbgen.attention.native: residual add + RMSNorm, RoPE in place, and the MLP's SiLU and
+        product in one pass over the gate-up projection.
 
             residual += h;  x = norm(residual)      (what the reference writes as
             h = block(x)                             h = residual + block(norm(h)))
@@ -336,7 +336,7 @@ class CausalLM(nn.Module):
             o = backend.forward(q, k, v, kv_cache, meta, attn.scale)
             h = attn.o_proj(o.reshape(t, attn.q_size))
             x = native.add_rmsnorm_(residual, h, layer.post_attention_layernorm.weight, eps)
-            h = layer.mlp(x)
+            h = layer.mlp.down_proj(native.silu_mul(layer.mlp.gate_up_proj(x)))
         return native.add_rmsnorm_(residual, h, self.norm.weight, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
