@@ -248,3 +248,18 @@ def test_linear_takes_the_panels_for_small_batches_only(monkeypatch: pytest.Monk
         torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-4)
     assert calls == [1, native.SMALL_GEMM_MAX_ROWS]
 
+
+def test_every_kernel_source_ships_as_package_data() -> None:
+    """The loader compiles these files at run time: a wheel without them has no CPU kernels."""
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["cbgen.attention"]
+    pkg = root / "cbgen" / "attention"
+    needed = [*native._SRCS, *native._HEADERS]
+    assert needed and all(p.exists() for p in needed)
+    for path in needed:
+        rel = path.relative_to(pkg).as_posix()
+        assert any(fnmatch.fnmatch(rel, g) for g in globs), rel

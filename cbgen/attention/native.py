@@ -43,8 +43,11 @@ def load_library() -> ctypes.CDLL | None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    src = b"".join(p.read_bytes() + " ".join(flags).encode() for p, flags in _SRCS.items())
-    src += b"".join(h.read_bytes() for h in _HEADERS)
+    try:
+        src = b"".join(p.read_bytes() + " ".join(flags).encode() for p, flags in _SRCS.items())
+        src += b"".join(h.read_bytes() for h in _HEADERS)
+    except OSError:  # an install without the sources (they ship as package data)
+        return None
     key = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"cbgen_cpu_{key}.so"
     try:
