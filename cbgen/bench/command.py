@@ -106,7 +106,7 @@ def bench(
     compare: str | None = typer.Option(None, help="Run this policy too, on the same requests (e.g. static)."),
     static_batch_size: int = typer.Option(_default("static_batch_size"), help="Batch size of the static policy."),
     request_rate: float | None = typer.Option(None, help="Poisson arrivals, requests/s [default: all at once]."),
-    sweep: str | None = typer.Option(None, help="One column per value of an engine knob, e.g. max_num_seqs=1,8,32,64."),
+    sweep: str | None = typer.Option(None, help="One column per value of an engine knob, e.g. max_num_seqs=1,8,32,64 (a value given again is a repeat)."),
     num_warmup: int = typer.Option(4, help="Short requests run on each engine before timing."),
     output_json: str | None = typer.Option(None, help="Write the figures as JSON."),
     output_parquet: str | None = typer.Option(None, help="Write one row per request and run."),

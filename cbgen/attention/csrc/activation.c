@@ -14,6 +14,9 @@
 
 #include "vexp.h"
 
+/* Every core from 32 Ki outputs (SmolLM2's 1536-wide MLP: 22 rows): measured on 2 cores, 32
+ * rows 20.1 -> 11.1 us, 64 rows 40.1 -> 22.8 us; at 16 rows (10.9 us) a second core would
+ * save less than it costs to start. */
 #define PAR_MIN_ELEMS (1 << 15)
 
 static inline v16 silu_mul16(v16 g, v16 u) {
