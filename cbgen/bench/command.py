@@ -72,17 +72,21 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
     return name, out
 
 
+def _point_name(overrides: dict[str, Any], repeat: int) -> str:
+    """'max_num_seqs=64', and 'max_num_seqs=64 #2' for its second run."""
+    return " ".join(f"{k}={v}" for k, v in overrides.items()) + (f" #{repeat}" if repeat > 1 else "")
+
+
 def plan_columns(policy: str, compare: str | None, sweep: tuple[str, list[Any]] | None) -> list[Column]:
     policies = [policy] if compare is None or compare == policy else [policy, compare]
     if sweep is None:
         return [Column(p, p, {}) for p in policies]
     knob, values = sweep
     columns = []
-    seen: dict[str, int] = {}
+    seen: dict[Any, int] = {}
     for v in values:
-        point = f"{knob}={v}"
-        repeat = seen[point] = seen.get(point, 0) + 1
-        point += f" #{repeat}" if repeat > 1 else ""
+        repeat = seen[v] = seen.get(v, 0) + 1
+        point = _point_name({knob: v}, repeat)
         for p in policies:
             columns.append(Column(point if len(policies) == 1 else f"{p} {point}", p, {knob: v}, repeat))
     return columns
@@ -294,7 +298,7 @@ def _ratio_columns(columns: list[Column], results: dict[str, Any]) -> dict[str, 
     out = {}
     for (key, repeat), labels in points.items():
         if "continuous" in labels and "static" in labels:
-            suffix = " ".join(f"{k}={v}" for k, v in key) + (f" #{repeat}" if repeat > 1 else "")
+            suffix = _point_name(dict(key), repeat)
             name = "continuous / static" + (f" {suffix}" if suffix else "")
             out[name] = ratios(results[labels["continuous"]], results[labels["static"]])
     return out
