@@ -130,6 +130,62 @@ def test_silu_mul_matches_silu_times_up_to_a_few_ulp() -> None:
     assert got[0, 3] == pytest.approx(float(want[0, 3]), rel=1e-6)
 
 
+def _inverse_cdf_float64(logits: torch.Tensor, temperature: float, u: float) -> tuple[int, torch.Tensor, float]:
+    """The sampling rule in float64 from the float32 quotient logits / T: (pick, cdf, target)."""
+    x = (logits / temperature).double()
+    cdf = torch.exp(x - x.max()).cumsum(0)
+    target = float(u) * float(cdf[-1])
+    return int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True)), cdf, target
+
+
+def test_sample_is_the_inverse_cdf_of_the_tempered_softmax() -> None:
+    """Rows of 17 (a partial vector), 1000 and 49152 tokens (192 chunks), temperatures on both
+    sides of 1, every 7th token masked to -inf, draws at 0 and just under 1, rows read
+    through a stride wider than the vocabulary: each pick is the float64 reference's, or a
+    neighbour across a boundary the float32 weights cannot resolve; the logits are left as
+    they were."""
+    torch.manual_seed(5)
+    for v in (17, 1000, 49152):
+        b = 24
+        wide = 3 * torch.randn(b, v + 5)
+        wide[:, : v : 7] = float("-inf")
+        logits = wide[:, :v]
+        before = logits.clone()
+        temp = torch.rand(b) * 2 + 0.2
+        temp[:6] = 1.0
+        u = torch.rand(b)
+        u[0], u[1] = 0.0, float(torch.tensor(1.0).nextafter(torch.tensor(0.0)))
+        got = native.sample(logits, temp, u)
+        assert got is not None and got.dtype == torch.int64
+        assert torch.equal(logits, before)
+        assert not logits.gather(1, got[:, None]).isinf().any()  # never a masked token
+        for r in range(b):
+            want, cdf, target = _inverse_cdf_float64(logits[r], float(temp[r]), float(u[r]))
+            if int(got[r]) != want:
+                # only where the target sits within float32 rounding of the boundary between them
+                edge = float(cdf[min(int(got[r]), want)])
+                assert abs(edge - target) <= 1e-5 * float(cdf[-1]), (v, r, int(got[r]), want)
+        assert int(got[1]) == max(i for i in range(v) if i % 7)  # u just under 1: the last live token
+
+
+def test_sample_covers_every_live_token_and_refuses_nan_and_inf() -> None:
+    logits = torch.full((1, 40), float("-inf"))
+    live = [3, 17, 18, 39]
+    logits[0, live] = torch.tensor([0.0, 1.0, -2.0, 0.5])
+    p = torch.softmax(logits[0], 0)
+    # u swept over [0, 1): each live token is picked over a share of u equal to its probability
+    us = (torch.arange(2000, dtype=torch.float32) + 0.5) / 2000
+    picks = [int(native.sample(logits, torch.ones(1), us[i : i + 1])[0]) for i in range(2000)]
+    for t in live:
+        assert abs(picks.count(t) / 2000 - float(p[t])) <= 1 / 2000 + 1e-6
+    assert set(picks) == set(live)
+    for bad in (float("nan"), float("inf")):
+        rows = torch.zeros(3, 40)
+        rows[1, 5] = bad
+        assert native.sample(rows, torch.ones(3), torch.full((3,), 0.5)) is None
+    assert native.sample(torch.full((1, 8), float("-inf")), torch.ones(1), torch.zeros(1)) is None
+
+
 def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
     """Scores from about -400 to 400: the kernel's exponentials underflow to zero far below
     the maximum and stay accurate near it; 40 sequences take every thread through several

@@ -28,6 +28,8 @@ _SRCS = {
     _CSRC / "fused_ops.c": ("-ffp-contract=off",),
     # SiLU with vexp.h's exp: agrees with torch's to a few ulp, like the attention's softmax
     _CSRC / "activation.c": ("-ffp-contract=fast",),
+    # temperature sampling: divides by the temperature as torch does (no reciprocal)
+    _CSRC / "sample.c": ("-ffp-contract=off", "-fno-reciprocal-math"),
 }
 _HEADERS = [_CSRC / "vexp.h"]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
@@ -94,6 +96,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.cbgen_small_gemm_f32.restype = None
     lib.cbgen_silu_mul_f32.argtypes = [p, i64, i64, p]
     lib.cbgen_silu_mul_f32.restype = None
+    lib.cbgen_sample_f32.argtypes = [p, i64, i64, i64, p, p, p]
+    lib.cbgen_sample_f32.restype = ctypes.c_int
     return lib
 
 
@@ -279,6 +283,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, two_i // 2, dtype=torch.float32)
     lib.cbgen_silu_mul_f32(gu.data_ptr(), t, two_i // 2, out.data_ptr())
     return out
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """Temperature sampling by inverse CDF for logits [B, V] float32 (rows contiguous),
+    temperature [B] (> 0) and u [B] in [0, 1): per row, the first token whose running sum of
+    exp(logit / T - max) exceeds u x the total (cbgen/attention/csrc/sample.c). The logits are
+    not modified. None without the kernels or when a row holds NaN or +inf."""
+    lib = load_library()
+    if lib is None:
+        return None
+    assert logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
+    b, v = logits.shape
+    temp = temperature.to(torch.float32).contiguous()
+    draws = u.to(torch.float32).contiguous()
+    assert temp.shape == (b,) and draws.shape == (b,)
+    out = torch.empty(b, dtype=torch.int64)
+    rc = lib.cbgen_sample_f32(logits.data_ptr(), b, v, logits.stride(0), temp.data_ptr(), draws.data_ptr(), out.data_ptr())
+    return None if rc else out
 
 
 def fused_ops_available() -> bool:

@@ -3,7 +3,9 @@
 One call per step for every request that samples. Each random row draws one uniform number
 from its request's own generator and takes the token where the cumulative distribution passes
 it (inverse CDF), so a seeded request gives the same tokens alone or
-inside any batch, at the cost of one draw per row rather than one per vocabulary entry.
+inside any batch, at the cost of one draw per row rather than one per vocabulary entry. On the
+CPU, rows without top-k / top-p / min-p take that rule in one C pass per row
+(cbgen.attention.native.sample); the others, and other devices, take the torch ops.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cbgen.attention import native
 from cbgen.config import SamplingParams
 
 
@@ -105,6 +108,31 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    """Whether top-k, top-p or min-p can mask a token of this row."""
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _sample_torch(sub: torch.Tensor, temp: torch.Tensor, u: torch.Tensor, ps: Sequence[SamplingParams]) -> torch.Tensor:
+    """Divide by the temperature, apply the masks, then the first token whose cumulative
+    weight exceeds u x total: never a zero-weight token (adding 0 leaves the sum exactly as it
+    was), never past the last one. sub [B, V] is the sampler's own: modified in place."""
+    vocab = sub.shape[-1]
+    dev = sub.device
+    sub = sub.div_(temp[:, None])
+    sub = filter_logits(
+        sub,
+        torch.tensor([p.top_k for p in ps], device=dev),
+        torch.tensor([p.top_p for p in ps], device=dev, dtype=sub.dtype),
+        torch.tensor([p.min_p for p in ps], device=dev, dtype=sub.dtype),
+    )
+    weights = sub.sub_(sub.amax(dim=-1, keepdim=True)).exp_()  # unnormalised softmax
+    cdf = weights.cumsum(dim=-1)
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return picked.clamp_(max=vocab - 1)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         """logits [B, V] for the B requests in rows; returns one token id per row."""
@@ -135,24 +163,29 @@ class Sampler:
         )
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
-            sub = logits if every_row else logits[idx]
+            sub = logits if every_row else logits[idx]  # logits are ours: the step's own
             ps = [rows[i].params for i in random_rows]
             dev = logits.device
             temp = torch.tensor([p.temperature for p in ps], device=dev, dtype=sub.dtype)
-            sub = sub.div_(temp[:, None]) if every_row else sub / temp[:, None]  # logits are ours
-            sub = filter_logits(
-                sub,
-                torch.tensor([p.top_k for p in ps], device=dev),
-                torch.tensor([p.top_p for p in ps], device=dev, dtype=sub.dtype),
-                torch.tensor([p.min_p for p in ps], device=dev, dtype=sub.dtype),
-            )
             u = torch.cat([torch.rand(1, generator=rows[i].generator) for i in random_rows]).to(dev)
-            # unnormalised softmax, then the first token whose cumulative weight exceeds
-            # u x total: never a zero-weight token (adding 0 leaves the sum exactly as it was),
-            # never past the last one
-            weights = sub.sub_(sub.amax(dim=-1, keepdim=True)).exp_()
-            cdf = weights.cumsum(dim=-1)
-            target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
-            picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
-            out[idx] = picked.clamp_(max=vocab - 1)
+            # a row without masks takes the C kernel on the CPU (the same rule, one pass per
+            # row); the choice depends on the row alone, so a seeded row draws the same tokens
+            # whatever shares its batch
+            plain = [j for j, p in enumerate(ps) if not _filters(p, vocab)] if dev.type == "cpu" else []
+            picked = torch.empty(len(ps), dtype=torch.long, device=dev)
+            if plain:
+                j = torch.tensor(plain)
+                whole = len(plain) == len(ps)
+                got = native.sample(sub if whole else sub[j], temp if whole else temp[j], u if whole else u[j])
+                if got is None:  # no kernels, or a NaN / +inf logit: the torch ops decide
+                    plain = []
+                else:
+                    picked[j] = got
+            if len(plain) < len(ps):
+                done = set(plain)
+                rest = [j for j in range(len(ps)) if j not in done]
+                k = torch.tensor(rest, device=dev)
+                part = sub if len(rest) == len(ps) else sub[k]
+                picked[k] = _sample_torch(part, temp[k], u[k], [ps[i] for i in rest])
+            out[idx] = picked
         return out.tolist()
