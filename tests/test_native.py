@@ -179,6 +179,10 @@ def test_sample_covers_every_live_token_and_refuses_nan_and_inf() -> None:
     for t in live:
         assert abs(picks.count(t) / 2000 - float(p[t])) <= 1 / 2000 + 1e-6
     assert set(picks) == set(live)
+    # a column-major view samples as its contiguous copy does
+    block = torch.randn(5, 40)
+    u5 = torch.rand(5)
+    assert torch.equal(native.sample(block.t().contiguous().t(), torch.ones(5), u5), native.sample(block, torch.ones(5), u5))
     for bad in (float("nan"), float("inf")):
         rows = torch.zeros(3, 40)
         rows[1, 5] = bad

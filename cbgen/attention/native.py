@@ -286,14 +286,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
-    """Temperature sampling by inverse CDF for logits [B, V] float32 (rows contiguous),
+    """Temperature sampling by inverse CDF for logits [B, V] float32,
     temperature [B] (> 0) and u [B] in [0, 1): per row, the first token whose running sum of
     exp(logit / T - max) exceeds u x the total (cbgen/attention/csrc/sample.c). The logits are
     not modified. None without the kernels or when a row holds NaN or +inf."""
     lib = load_library()
     if lib is None:
         return None
-    assert logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
+    assert logits.dtype == torch.float32 and logits.dim() == 2
+    if logits.stride(1) != 1 or logits.stride(0) < logits.shape[1]:
+        logits = logits.contiguous()
     b, v = logits.shape
     temp = temperature.to(torch.float32).contiguous()
     draws = u.to(torch.float32).contiguous()
