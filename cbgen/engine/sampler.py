@@ -113,7 +113,12 @@ def _filters(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
 
 
-def _sample_torch(sub: torch.Tensor, temp: torch.Tensor, u: torch.Tensor, ps: Sequence[SamplingParams]) -> torch.Tensor:
+def _rows(sel: list[int], n: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The rows sel of each tensor (of n rows): the tensors themselves when sel is all of them."""
+    return list(tensors) if len(sel) == n else [t[sel] for t in tensors]
+
+
+def _sample_torch(ps: Sequence[SamplingParams], sub: torch.Tensor, temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Divide by the temperature, apply the masks, then the first token whose cumulative
     weight exceeds u x total: never a zero-weight token (adding 0 leaves the sum exactly as it
     was), never past the last one. sub [B, V] is the sampler's own: modified in place."""
@@ -171,21 +176,16 @@ class Sampler:
             # a row without masks takes the C kernel on the CPU (the same rule, one pass per
             # row); the choice depends on the row alone, so a seeded row draws the same tokens
             # whatever shares its batch
-            plain = [j for j, p in enumerate(ps) if not _filters(p, vocab)] if dev.type == "cpu" else []
+            kernel = [j for j, p in enumerate(ps) if not _filters(p, vocab)] if dev.type == "cpu" else []
             picked = torch.empty(len(ps), dtype=torch.long, device=dev)
-            if plain:
-                j = torch.tensor(plain)
-                whole = len(plain) == len(ps)
-                got = native.sample(sub if whole else sub[j], temp if whole else temp[j], u if whole else u[j])
+            if kernel:
+                got = native.sample(*_rows(kernel, len(ps), sub, temp, u))
                 if got is None:  # no kernels, or a NaN / +inf logit: the torch ops decide
-                    plain = []
+                    kernel = []
                 else:
-                    picked[j] = got
-            if len(plain) < len(ps):
-                done = set(plain)
-                rest = [j for j in range(len(ps)) if j not in done]
-                k = torch.tensor(rest, device=dev)
-                part = sub if len(rest) == len(ps) else sub[k]
-                picked[k] = _sample_torch(part, temp[k], u[k], [ps[i] for i in rest])
+                    picked[kernel] = got
+            rest = sorted(set(range(len(ps))) - set(kernel))
+            if rest:
+                picked[rest] = _sample_torch([ps[i] for i in rest], *_rows(rest, len(ps), sub, temp, u))
             out[idx] = picked
         return out.tolist()
