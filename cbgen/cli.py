@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import typer
 
@@ -39,8 +40,19 @@ def info() -> None:
         typer.echo(f"default model: {e}")
 
 
+RICH_HELP_MIN_COLUMNS = 120
+"""Rich's option panels need about this width: narrower (and in a pipe, which Rich takes as 80
+columns) they cut long option names short ("--max-num-batche…"), so --help is plain text there."""
+
+
+def _choose_help_style() -> None:
+    if shutil.get_terminal_size().columns < RICH_HELP_MIN_COLUMNS:
+        app.rich_markup_mode = None
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _register()
+    _choose_help_style()
     app()

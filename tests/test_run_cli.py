@@ -255,6 +255,29 @@ def test_every_config_field_is_an_option_with_its_default() -> None:
         assert text in out.stdout, text
 
 
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_help_spells_out_every_option_in_a_narrow_terminal(command: str) -> None:
+    """Rich's option panels cut long names short under ~120 columns ("--max-num-batche…"), and a
+    pipe counts as 80: there --help is plain text, every option written in full."""
+    import typer
+
+    from cbgen import cli as cli_module
+
+    cli_module._register()
+    click_command = typer.main.get_command(cli_module.app).commands[command]  # type: ignore[attr-defined]
+    names = [o for p in click_command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")]
+    assert "--max-num-batched-tokens" in names and "--no-enable-prefix-caching" in names
+    for columns, panels in (("80", False), ("200", True)):
+        out = run([command, "--help"], timeout=60, env=cli_env(COLUMNS=columns))
+        assert out.returncode == 0, out.stderr
+        assert "…" not in out.stdout, columns
+        missing = [n for n in names if n not in out.stdout]
+        assert not missing, (columns, missing)
+        assert ("╭─ " in out.stdout) is panels, columns  # Rich's panels, or plain text
+        if not panels:
+            assert max(len(line) for line in out.stdout.splitlines()) <= 80
+
+
 def test_clear_errors_without_tracebacks(tmp_path: Path, chat_model: Path) -> None:
     good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "hi"}])
     (tmp_path / "bad.parquet").write_bytes(b"this is not parquet")
