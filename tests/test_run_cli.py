@@ -261,11 +261,13 @@ def test_help_spells_out_every_option_in_a_narrow_terminal(command: str) -> None
     pipe counts as 80: there --help is plain text, every option written in full."""
     import typer
 
-    from cbgen import cli as cli_module
+    from cbgen.bench.command import bench
+    from cbgen.run_command import run as run_fn
 
-    cli_module._register()
-    click_command = typer.main.get_command(cli_module.app).commands[command]  # type: ignore[attr-defined]
-    names = [o for p in click_command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")]
+    app = typer.Typer(add_completion=False)  # as cbgen.cli builds it
+    app.command()({"run": run_fn, "bench": bench}[command])
+    params = typer.main.get_command(app).params
+    names = [o for p in params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")]
     assert "--max-num-batched-tokens" in names and "--no-enable-prefix-caching" in names
     for columns, panels in (("80", False), ("200", True)):
         out = run([command, "--help"], timeout=60, env=cli_env(COLUMNS=columns))
