@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -292,6 +294,61 @@ def test_small_gemm_matches_matmul_and_a_row_never_depends_on_the_batch(n: int, 
 def test_small_gemm_needs_whole_panels() -> None:
     assert native.pack_panels(torch.randn(100, 64)) is None
     assert native.pack_panels(torch.randn(96, 64).double()) is None
+
+
+def _thp_mode() -> str | None:
+    """The bracketed word of /sys/kernel/mm/transparent_hugepage/enabled, or None."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[")[1].split("]")[0] if "[" in text else None
+
+
+def _thp_eligible(address: int) -> bool | None:
+    """Whether the mapping holding address may get transparent huge pages (/proc/self/smaps)."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    inside = False
+    for line in text.splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    return None
+
+
+def test_huge_page_arena_hands_out_disjoint_aligned_buffers() -> None:
+    arena = native.HugePageArena(chunk_bytes=native.HUGE_PAGE)
+    sizes = [5, 100_000, 300_000, 16, 1 << 20, 7]  # the fourth spills into a new chunk, the fifth needs a big one
+    bufs = [arena.empty(n) for n in sizes]
+    for i, (b, n) in enumerate(zip(bufs, sizes, strict=True)):
+        assert b.shape == (n,) and b.dtype == torch.float32
+        assert b.data_ptr() % 64 == 0
+        b.fill_(float(i))
+    for i, b in enumerate(bufs):
+        assert torch.equal(b, torch.full_like(b, float(i)))  # nothing overwrote anything
+    if arena.huge:
+        assert bufs[0].data_ptr() % native.HUGE_PAGE == 0  # a chunk starts on a huge page
+        assert bufs[4].data_ptr() % native.HUGE_PAGE == 0
+        if _thp_mode() in ("always", "madvise"):
+            assert all(_thp_eligible(b.data_ptr()) for b in bufs)
+    plain = native.HugePageArena()
+    plain.huge = False  # no MADV_HUGEPAGE on this OS: ordinary tensors
+    assert plain.empty(10).shape == (10,)
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
+def test_packed_panels_live_in_memory_advised_for_huge_pages() -> None:
+    panels = native.pack_panels(torch.randn(96, 64))
+    assert panels is not None
+    assert _thp_eligible(panels.data_ptr())
+    plain = torch.empty(1 << 20)  # the control: torch's own allocation is not advised
+    assert _thp_mode() == "always" or _thp_eligible(plain.data_ptr()) is False
 
 
 def test_linear_takes_the_panels_for_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
