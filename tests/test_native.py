@@ -324,7 +324,9 @@ def _thp_eligible(address: int) -> bool | None:
 
 def test_huge_page_arena_hands_out_disjoint_aligned_buffers() -> None:
     arena = native.HugePageArena(chunk_bytes=native.HUGE_PAGE)
-    sizes = [5, 100_000, 300_000, 16, 1 << 20, 7]  # the fourth spills into a new chunk, the fifth needs a big one
+    # a chunk holds 524,288 floats: the fourth buffer starts a new chunk, the fifth needs one
+    # larger than chunk_bytes, the sixth finds it full
+    sizes = [5, 100_000, 300_000, 200_000, 1 << 20, 7]
     bufs = [arena.empty(n) for n in sizes]
     for i, (b, n) in enumerate(zip(bufs, sizes, strict=True)):
         assert b.shape == (n,) and b.dtype == torch.float32
@@ -333,8 +335,9 @@ def test_huge_page_arena_hands_out_disjoint_aligned_buffers() -> None:
     for i, b in enumerate(bufs):
         assert torch.equal(b, torch.full_like(b, float(i)))  # nothing overwrote anything
     if arena.huge:
-        assert bufs[0].data_ptr() % native.HUGE_PAGE == 0  # a chunk starts on a huge page
-        assert bufs[4].data_ptr() % native.HUGE_PAGE == 0
+        for first_of_chunk in (0, 3, 4, 5):  # a chunk starts on a huge page
+            assert bufs[first_of_chunk].data_ptr() % native.HUGE_PAGE == 0
+        assert bufs[1].data_ptr() - bufs[0].data_ptr() == 64  # 5 floats, rounded to a cache line
         if _thp_mode() in ("always", "madvise"):
             assert all(_thp_eligible(b.data_ptr()) for b in bufs)
     plain = native.HugePageArena()
