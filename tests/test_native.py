@@ -212,9 +212,10 @@ def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
 
 
 def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
-    """Decodes, small prefill chunks (with and without cached context: the C kernel, one
-    query token at a time) and chunks too large for it (SDPA, with and without cached
-    context) in one flat batch; the SDPA chunks also against a float64 softmax written out."""
+    """Decodes, small prefill chunks (with and without cached context: the C decode kernel,
+    one query token at a time) and chunks too large for it (the C prefill kernel, with and
+    without cached context) in one flat batch, against the pure-torch path (SDPA); the large
+    chunks also against a float64 softmax written out."""
     torch.manual_seed(4)
     bs, hkv, group, d, num_blocks = 16, 2, 3, 64, 96
     kv = torch.randn(2, num_blocks, bs, hkv, d)
@@ -248,6 +249,56 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
     got = torch_backend.attend(q[:n], kv, small, 0.125, native=True)
     want = torch_backend.attend(q[:n], kv, torch_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs), 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 softmax attention written out: q [Q, H, D] at positions L - Q .. L - 1."""
+    qlen, heads, _ = q.shape
+    seq_len, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    visible = torch.arange(seq_len)[None, :] <= seq_len - qlen + torch.arange(qlen)[:, None]
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
+
+
+@pytest.mark.parametrize(
+    ("qlen", "ctx", "heads", "kv_heads", "d"),
+    [
+        (1, 0, 9, 3, 64),  # one row, one key
+        (7, 0, 9, 3, 64),  # fewer rows than a work item
+        (37, 16, 9, 3, 64),  # cached context, rows not a multiple of 8
+        (33, 31, 4, 1, 64),  # keys cross a 32-key chunk mid-item
+        (100, 0, 4, 4, 128),  # no GQA, D = 128
+        (64, 200, 8, 2, 128),  # long context before a short chunk
+        (300, 0, 9, 3, 64),
+    ],
+)
+def test_prefill_attention_matches_a_float64_causal_softmax(
+    qlen: int, ctx: int, heads: int, kv_heads: int, d: int
+) -> None:
+    torch.manual_seed(qlen + ctx)
+    q = torch.randn(qlen, heads, d) * 2
+    k, v = torch.randn(ctx + qlen, kv_heads, d), torch.randn(ctx + qlen, kv_heads, d)
+    got = native.prefill_attention_f32(q, k, v, d**-0.5)
+    assert got is not None
+    torch.testing.assert_close(got.double(), _causal_reference(q, k, v, d**-0.5), rtol=1e-5, atol=2e-6)
+    # query rows inside a wider tensor (the fused qkv layout): same answer
+    wide = torch.randn(qlen, heads * d + 2 * kv_heads * d)
+    wide[:, : heads * d] = q.flatten(1)
+    view = wide[:, : heads * d].view(qlen, heads, d)
+    assert qlen == 1 or not view.is_contiguous()
+    assert torch.equal(native.prefill_attention_f32(view, k, v, d**-0.5), got)
+
+
+def test_prefill_attention_keeps_nan_to_the_rows_that_see_it_and_refuses_other_head_sizes() -> None:
+    torch.manual_seed(9)
+    q, k, v = torch.randn(40, 6, 64), torch.randn(50, 2, 64), torch.randn(50, 2, 64)
+    k[30, 1, 5] = float("nan")  # key position 30, KV head 1: query rows from 20 on see it
+    got = native.prefill_attention_f32(q, k, v, 0.125)
+    assert got is not None
+    assert got[20:, 3:].isnan().all() and not got[:20].isnan().any() and not got[:, :3].isnan().any()
+    assert native.prefill_attention_f32(torch.randn(4, 2, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32), 0.2) is None
 
 
 def test_kv_write_matches_index_copy_from_strided_views() -> None:

@@ -26,6 +26,7 @@ _SRCS = {
     # exponent bits for inf/NaN itself and never compares against an infinity
     _CSRC / "greedy_head.c": ("-ffp-contract=fast", "-ffinite-math-only"),
     _CSRC / "small_gemm.c": ("-ffp-contract=fast",),
+    _CSRC / "prefill_attention.c": ("-ffp-contract=fast",),
     _CSRC / "fused_ops.c": ("-ffp-contract=off",),
     # SiLU with vexp.h's exp: agrees with torch's to a few ulp, like the attention's softmax
     _CSRC / "activation.c": ("-ffp-contract=fast",),
@@ -95,6 +96,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.cbgen_pack_panels_f32.restype = None
     lib.cbgen_small_gemm_f32.argtypes = [p, i64, i64, p, i64, p, p]
     lib.cbgen_small_gemm_f32.restype = None
+    lib.cbgen_prefill_attention_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    lib.cbgen_prefill_attention_f32.restype = ctypes.c_int
     lib.cbgen_silu_mul_f32.argtypes = [p, i64, i64, p]
     lib.cbgen_silu_mul_f32.restype = None
     lib.cbgen_sample_f32.argtypes = [p, i64, i64, i64, p, p, p]
@@ -323,6 +326,29 @@ def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None)
     b = None if bias is None else bias.contiguous()
     lib.cbgen_small_gemm_f32(x.data_ptr(), m, k, panels.data_ptr(), n, None if b is None else b.data_ptr(), y.data_ptr())
     return y
+
+
+def prefill_attention_f32(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor | None:
+    """Causal attention of a prompt chunk: query [Q, H, D] (float32, rows at positions
+    L - Q .. L - 1) over key, value [L, Hkv, D] (the chunk's cached context, then itself).
+    Out [Q, H, D]; None without the kernels or for a shape the kernel does not take (D other
+    than 64 or 128)."""
+    lib = load_library()
+    if lib is None or not query.dtype == key.dtype == value.dtype == torch.float32:
+        return None
+    q_len, heads, head_dim = query.shape
+    seq_len, kv_heads, _ = key.shape
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    k, v = key.contiguous(), value.contiguous()
+    out = torch.empty(q_len, heads, head_dim, dtype=torch.float32)
+    rc = lib.cbgen_prefill_attention_f32(
+        query.data_ptr(), query.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads * head_dim,
+        q_len, seq_len - q_len, heads, kv_heads, head_dim, scale,
+    )
+    return None if rc else out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -166,8 +166,10 @@ def attend(
 ) -> torch.Tensor:
     """Attention of query [T, H, D] over the paged cache, following a plan.
 
-    native: on the CPU in float32, attend decodes with the C kernel (native.py) straight from
-    the block table instead of gathering K/V; the pure-torch path stays the reference."""
+    native: on the CPU in float32, attend decodes (and small prefill chunks) with the C decode
+    kernel (native.py) straight from the block table instead of gathering K/V, and larger
+    prefill chunks with the C prefill kernel over their gathered K/V instead of torch's SDPA;
+    the pure-torch path stays the reference."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
     group = num_heads // num_kv_heads
@@ -202,14 +204,24 @@ def attend(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
         )
         out[plan.decode_tokens] = o.reshape(bd, num_heads, head_dim)
+    prefill_kernel = native and query.dtype == kv_cache.dtype == torch.float32
     for start, end, seq_len, blocks in prefills:
         qlen = end - start
         ctx = seq_len - qlen
+        keys = key_cache[blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, D], gathered
+        values = value_cache[blocks].flatten(0, 1)[:seq_len]
+        if prefill_kernel:
+            from cbgen.attention.native import prefill_attention_f32
+
+            o = prefill_attention_f32(query[start:end], keys, values, scale)
+            if o is not None:
+                out[start:end] = o
+                continue
         # [1, H, Q, D] against [1, Hkv, L, D]: 4-D inputs take torch's flash kernel on the CPU
         # (3-D ones fall back to its unfused math path, about 4x slower on an 800-token prompt)
         q = query[start:end].transpose(0, 1)[None]
-        k = key_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None].to(q.dtype)
-        v = value_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None].to(q.dtype)
+        k = keys.transpose(0, 1)[None].to(q.dtype)
+        v = values.transpose(0, 1)[None].to(q.dtype)
         mask = None  # no cached context: the plain causal mask
         if ctx:  # query j (position ctx + j) sees keys k <= ctx + j
             dev = query.device

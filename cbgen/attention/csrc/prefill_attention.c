@@ -1,0 +1,181 @@
+/* Causal attention of a prompt chunk on the CPU, float32 (a flash-attention loop).
+ *
+ *   q      [Q, H, D]    query rows `q_stride` floats apart (heads contiguous in a row)
+ *   k, v   [L, Hkv, D]  contiguous, L = ctx + Q: the chunk's cached context, then itself
+ *   out    [Q, H, D]    rows `o_stride` floats apart
+ *
+ * Query row t sits at position ctx + t and sees keys 0 .. ctx + t. Query head h reads KV head
+ * h / (H / Hkv). D is 64 or 128.
+ *
+ * K is first transposed per KV head ([Hkv][D][L], zero-padded to whole chunks), so that the
+ * scores of RB query rows against KC keys are a register tile of outer products: one
+ * broadcast of a query element against two 16-key vectors per row and dimension. Each work item
+ * (a query head, RB consecutive rows) walks the visible keys KC at a time with an online
+ * softmax (running max and sum per row, earlier output rescaled when the max grows) and adds
+ * P x V into its output rows, a few rows at a time held in registers. Items are handed out
+ * longest first (the last rows see the most keys) to even out the causal triangle.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vexp.h" /* v16, v16u, exp_nonpositive */
+
+#define RB 8  /* query rows per work item */
+#define KC 32 /* keys per chunk: two 16-float vectors */
+#define MAX_D 128
+
+/* P x V for one chunk: rows [r, r + RG) of o (D = 16 DV floats) += p[row][0..nj) x V rows. */
+#define PV(DV, RG)                                                                            \
+    static void pv_##DV##_##RG(float (*o)[MAX_D], const float (*p)[KC], int r, const float *v, \
+                               int64_t v_stride, int64_t nj) {                                \
+        v16 acc[RG][DV];                                                                      \
+        for (int i = 0; i < RG; ++i)                                                          \
+            for (int c = 0; c < DV; ++c) acc[i][c] = *(const v16 *)(o[r + i] + 16 * c);      \
+        for (int64_t j = 0; j < nj; ++j) {                                                    \
+            const float *vr = v + j * v_stride;                                               \
+            v16 vv[DV];                                                                       \
+            for (int c = 0; c < DV; ++c) vv[c] = *(const v16u *)(vr + 16 * c);                \
+            for (int i = 0; i < RG; ++i) {                                                    \
+                const float pj = p[r + i][j];                                                 \
+                for (int c = 0; c < DV; ++c) acc[i][c] += pj * vv[c];                         \
+            }                                                                                 \
+        }                                                                                     \
+        for (int i = 0; i < RG; ++i)                                                          \
+            for (int c = 0; c < DV; ++c) *(v16 *)(o[r + i] + 16 * c) = acc[i][c];            \
+    }
+PV(4, 4)
+PV(8, 2)
+
+typedef int32_t lanes16 __attribute__((vector_size(64)));
+
+/* Lane-wise a > b ? a : b (C has no vector conditional). */
+static inline v16 vmax(v16 a, v16 b) {
+    const lanes16 gt = (lanes16)(a > b);
+    return (v16)((gt & (lanes16)a) | (~gt & (lanes16)b));
+}
+
+/* The largest and the sum of the 16 lanes, in four halving steps each. */
+static inline float hmax16(v16 a) {
+    const lanes16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const lanes16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const lanes16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const lanes16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    v16 b = __builtin_shuffle(a, s8);
+    a = vmax(a, b);
+    b = __builtin_shuffle(a, s4);
+    a = vmax(a, b);
+    b = __builtin_shuffle(a, s2);
+    a = vmax(a, b);
+    b = __builtin_shuffle(a, s1);
+    a = vmax(a, b);
+    return a[0];
+}
+
+static inline float hsum16(v16 a) {
+    const lanes16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+    const lanes16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+    const lanes16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+    const lanes16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+    a += __builtin_shuffle(a, s8);
+    a += __builtin_shuffle(a, s4);
+    a += __builtin_shuffle(a, s2);
+    a += __builtin_shuffle(a, s1);
+    return a[0];
+}
+
+static void item(const float *q, int64_t q_stride, const float *kt, int64_t lp, const float *v,
+                 int64_t v_stride, float *out, int64_t o_stride, int64_t D, int64_t r0, int64_t nr,
+                 int64_t ctx, float scale) {
+    float qb[RB][MAX_D] __attribute__((aligned(64)));
+    float o[RB][MAX_D] __attribute__((aligned(64)));
+    float p[RB][KC] __attribute__((aligned(64)));
+    float m[RB], l[RB];
+    memset(p, 0, sizeof(p)); /* rows past nr stay zero: the P x V tiles run over whole groups */
+    for (int r = 0; r < RB; ++r) {
+        for (int64_t d = 0; d < D; ++d) qb[r][d] = r < nr ? q[(r0 + r) * q_stride + d] : 0.0f;
+        for (int64_t d = 0; d < D; ++d) o[r][d] = 0.0f;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const int64_t nkeys = ctx + r0 + nr; /* keys the block's last row sees */
+    for (int64_t j0 = 0; j0 < nkeys; j0 += KC) {
+        v16 a0[RB], a1[RB];
+        for (int r = 0; r < RB; ++r) a0[r] = a1[r] = (v16){0};
+        const float *kc = kt + j0;
+        for (int64_t d = 0; d < D; ++d) {
+            const v16 b0 = *(const v16u *)(kc + d * lp), b1 = *(const v16u *)(kc + d * lp + 16);
+            for (int r = 0; r < RB; ++r) {
+                const float x = qb[r][d];
+                a0[r] += x * b0;
+                a1[r] += x * b1;
+            }
+        }
+        for (int r = 0; r < nr; ++r) {
+            const int64_t last = ctx + r0 + r - j0; /* the row's last visible key in this chunk */
+            if (last < 0) {
+                for (int j = 0; j < KC; ++j) p[r][j] = 0.0f;
+                continue;
+            }
+            v16 s0 = a0[r] * scale, s1 = a1[r] * scale;
+            if (last < KC - 1)
+                for (int j = (int)last + 1; j < KC; ++j) {
+                    if (j < 16)
+                        s0[j] = -INFINITY;
+                    else
+                        s1[j - 16] = -INFINITY;
+                }
+            /* a NaN score never becomes the max; its exp is NaN and spreads to the row's output */
+            float cm = hmax16(vmax(s0, s1));
+            if (cm != cm) cm = -INFINITY;
+            const float mn = cm > m[r] ? cm : m[r];
+            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
+            const v16 e0 = exp_nonpositive(s0 - mn), e1 = exp_nonpositive(s1 - mn);
+            *(v16 *)p[r] = e0;
+            *(v16 *)(p[r] + 16) = e1;
+            const float sum = hsum16(e0 + e1);
+            l[r] = l[r] * alpha + sum;
+            m[r] = mn;
+            if (alpha != 1.0f)
+                for (int64_t d = 0; d < D; ++d) o[r][d] *= alpha;
+        }
+        const int64_t nj = nkeys - j0 < KC ? nkeys - j0 : KC;
+        const float *vc = v + j0 * v_stride;
+        if (D == 64)
+            for (int r = 0; r < RB; r += 4) pv_4_4(o, (const float(*)[KC])p, r, vc, v_stride, nj);
+        else
+            for (int r = 0; r < RB; r += 2) pv_8_2(o, (const float(*)[KC])p, r, vc, v_stride, nj);
+    }
+    for (int r = 0; r < nr; ++r) {
+        float *dst = out + (r0 + r) * o_stride;
+        for (int64_t d = 0; d < D; ++d) dst[d] = o[r][d] / l[r];
+    }
+}
+
+/* Returns 0, or -1 for a shape it does not take (D not 64 or 128, H not a multiple of Hkv). */
+int cbgen_prefill_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+                                float *out, int64_t o_stride, int64_t Q, int64_t ctx, int64_t H,
+                                int64_t Hkv, int64_t D, float scale) {
+    if ((D != 64 && D != 128) || Hkv <= 0 || H % Hkv || Q <= 0 || ctx < 0) return -1;
+    const int64_t L = ctx + Q, lp = (L + KC - 1) / KC * KC, group = H / Hkv;
+    float *kt = aligned_alloc(64, (size_t)(Hkv * D * lp) * sizeof(float));
+    if (!kt) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t hd = 0; hd < Hkv * D; ++hd) {
+        const int64_t h = hd / D, d = hd % D;
+        float *dst = kt + hd * lp;
+        for (int64_t j = 0; j < L; ++j) dst[j] = k[(j * Hkv + h) * D + d];
+        for (int64_t j = L; j < lp; ++j) dst[j] = 0.0f;
+    }
+    const int64_t blocks = (Q + RB - 1) / RB, items = blocks * H;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+        const int64_t b = blocks - 1 - it / H, h = it % H, hk = h / group; /* last rows first */
+        const int64_t r0 = b * RB, nr = Q - r0 < RB ? Q - r0 : RB;
+        item(q + h * D, q_stride, kt + hk * D * lp, lp, v + hk * D, Hkv * D, out + h * D, o_stride, D,
+             r0, nr, ctx, scale);
+    }
+    free(kt);
+    return 0;
+}
