@@ -1,5 +1,6 @@
 """Greedy output is token-for-token equal to transformers' generate on the same weights, under
-default settings, chunked prefill (>= 3 chunks per prompt), preemption, and one slot."""
+default settings, chunked prefill (>= 3 chunks per prompt), preemption, and one slot; and for
+prompts long enough to go through the C prefill kernel, whole and in chunks."""
 
 from __future__ import annotations
 
@@ -94,6 +95,59 @@ def test_smollm2_greedy_matches_transformers(smollm2_case: Any, setting: str) ->
         assert preemptions > 0
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert g == e, f"prompt {i}: first difference at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+
+
+LONG_TEXT = (
+    "The lighthouse at the northern tip of the island was built in 1854, after three ships were "
+    "lost on the reef in a single winter. Its first keeper, a former sailor named Thomas Hale, "
+    "kept a logbook in which he recorded the weather every four hours, the ships that passed, and "
+    "the small events of a life spent far from any town: the arrival of supply boats, the birth "
+    "of a goat, the week the fog did not lift and he rang the bell by hand for six days and six "
+    "nights. The lamp burned whale oil at first, then colza oil, then kerosene, and each change "
+    "brought new instructions from the lighthouse board, which Hale copied carefully into the back "
+    "of his log. He trimmed the wicks at dusk and at midnight, polished the great lens every "
+    "morning, and painted the iron gallery every spring, because the salt air ate through any "
+    "paint in less than a year. His wife taught their four children to read from the only books "
+    "on the island, a Bible, an almanac and a book of navigation tables, and the eldest daughter "
+    "later became the first woman to keep a light on that coast. When the station was automated "
+    "in 1961, the last keeper found the old logbooks in a cupboard under the stairs, tied with "
+    "tarred string, and sent them to the museum in the harbour town, where they can still be read. "
+    "Historians have used them to reconstruct the storms of the nineteenth century, the routes "
+    "of the coastal traders, and the slow changes in the birds that nested on the cliffs. "
+)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
+def test_smollm2_long_prompts_through_the_prefill_kernel_match_transformers(
+    smollm2_engine: Engine, smollm2_hf: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts long enough for the C prefill kernel (whole, and in chunks after cached
+    context), greedy, against transformers."""
+    from cbgen.attention import native
+
+    if native.load_library() is None:
+        pytest.skip("no C compiler: no prefill kernel")
+    calls = {"with context": 0, "without": 0}
+    kernel = native.prefill_attention_f32
+
+    def counting(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> Any:
+        calls["with context" if key.shape[0] > query.shape[0] else "without"] += 1
+        return kernel(query, key, value, scale)
+
+    monkeypatch.setattr(native, "prefill_attention_f32", counting)
+    engine = smollm2_engine
+    prompts = [
+        engine.tokenize(LONG_TEXT + "In the logbook, Hale wrote that"),
+        engine.apply_chat_template([{"role": "user", "content": LONG_TEXT + "Summarise this in one sentence."}]),
+    ]
+    assert min(len(p) for p in prompts) > 300
+    expected = [hf_greedy(smollm2_hf, p, 16) for p in prompts]
+    for overrides in ({}, {"max_num_batched_tokens": 128}):
+        llm = LLM(engine=Engine(engine.config.replace(**overrides), share_weights_with=engine))
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        assert [o.output_token_ids for o in outs] == expected, overrides
+    assert calls["without"] > 0 and calls["with context"] > 0
 
 
 TINY_PROMPTS = [
