@@ -204,15 +204,15 @@ def attend(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
         )
         out[plan.decode_tokens] = o.reshape(bd, num_heads, head_dim)
-    prefill_kernel = native and query.dtype == kv_cache.dtype == torch.float32
+    prefill_kernel = native and bool(prefills) and query.dtype == kv_cache.dtype == torch.float32
+    if prefill_kernel:
+        from cbgen.attention.native import prefill_attention_f32
     for start, end, seq_len, blocks in prefills:
         qlen = end - start
         ctx = seq_len - qlen
         keys = key_cache[blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, D], gathered
         values = value_cache[blocks].flatten(0, 1)[:seq_len]
         if prefill_kernel:
-            from cbgen.attention.native import prefill_attention_f32
-
             o = prefill_attention_f32(query[start:end], keys, values, scale)
             if o is not None:
                 out[start:end] = o
