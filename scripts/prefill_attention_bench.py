@@ -14,25 +14,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timing import median_time  # scripts/timing.py (this folder is on sys.path)
 
 from cbgen.attention import native
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
-
-
-def _median(fn: Callable[[], object], n: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 2]
 
 
 def kernel_alone() -> None:
@@ -44,12 +33,13 @@ def kernel_alone() -> None:
         flops = 4 * d * heads * (qlen * ctx + qlen * (qlen + 1) / 2)
         qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         mask = torch.arange(seq_len)[None, :] <= ctx + torch.arange(qlen)[:, None] if ctx else None
-        sdpa = _median(
+        sdpa = median_time(
             lambda qt=qt, kt=kt, vt=vt, mask=mask: F.scaled_dot_product_attention(
                 qt, kt, vt, attn_mask=mask, is_causal=mask is None, scale=d**-0.5, enable_gqa=True
-            )
+            ),
+            15,
         )
-        ours = _median(lambda q=q, k=k, v=v: native.prefill_attention_f32(q, k, v, d**-0.5))
+        ours = median_time(lambda q=q, k=k, v=v: native.prefill_attention_f32(q, k, v, d**-0.5), 15)
         print(
             f"chunk {qlen:5d} after {ctx:5d}: SDPA {sdpa * 1e3:6.2f} ms ({flops / sdpa / 1e9:4.0f} GFLOP/s), "
             f"C kernel {ours * 1e3:6.2f} ms ({flops / ours / 1e9:4.0f} GFLOP/s), {sdpa / ours:.2f}x"

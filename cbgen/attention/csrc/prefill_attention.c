@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vexp.h" /* v16, v16u, exp_nonpositive */
+#include "vexp.h" /* v16, v16u, i16v, vmax16, exp_nonpositive */
 
 #define RB 8  /* query rows per work item */
 #define KC 64 /* keys per softmax step: two 32-key score tiles */
@@ -51,40 +51,25 @@
 PV(4, 4)
 PV(8, 2)
 
-typedef int32_t lanes16 __attribute__((vector_size(64)));
+/* Lane permutations that swap halves of 16, 8, 4 and 2 lanes: four steps reduce 16 lanes. */
+static const i16v SWAP8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+static const i16v SWAP4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+static const i16v SWAP2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+static const i16v SWAP1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
 
-/* Lane-wise a > b ? a : b (C has no vector conditional). */
-static inline v16 vmax(v16 a, v16 b) {
-    const lanes16 gt = (lanes16)(a > b);
-    return (v16)((gt & (lanes16)a) | (~gt & (lanes16)b));
-}
-
-/* The largest and the sum of the 16 lanes, in four halving steps each. */
 static inline float hmax16(v16 a) {
-    const lanes16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-    const lanes16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-    const lanes16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-    const lanes16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    v16 b = __builtin_shuffle(a, s8);
-    a = vmax(a, b);
-    b = __builtin_shuffle(a, s4);
-    a = vmax(a, b);
-    b = __builtin_shuffle(a, s2);
-    a = vmax(a, b);
-    b = __builtin_shuffle(a, s1);
-    a = vmax(a, b);
+    a = vmax16(a, __builtin_shuffle(a, SWAP8));
+    a = vmax16(a, __builtin_shuffle(a, SWAP4));
+    a = vmax16(a, __builtin_shuffle(a, SWAP2));
+    a = vmax16(a, __builtin_shuffle(a, SWAP1));
     return a[0];
 }
 
 static inline float hsum16(v16 a) {
-    const lanes16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-    const lanes16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-    const lanes16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-    const lanes16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-    a += __builtin_shuffle(a, s8);
-    a += __builtin_shuffle(a, s4);
-    a += __builtin_shuffle(a, s2);
-    a += __builtin_shuffle(a, s1);
+    a += __builtin_shuffle(a, SWAP8);
+    a += __builtin_shuffle(a, SWAP4);
+    a += __builtin_shuffle(a, SWAP2);
+    a += __builtin_shuffle(a, SWAP1);
     return a[0];
 }
 
@@ -132,7 +117,7 @@ static void item(const float *q, int64_t q_stride, const float *kt, int64_t lp, 
             v16 s[KC / 16];
             for (int c = 0; c < KC / 16; ++c) s[c] = *(const v16 *)(p[r] + 16 * c);
             /* a NaN score never becomes the max; its exp is NaN and spreads to the row's output */
-            float cm = hmax16(vmax(vmax(s[0], s[1]), vmax(s[2], s[3])));
+            float cm = hmax16(vmax16(vmax16(s[0], s[1]), vmax16(s[2], s[3])));
             if (cm != cm) cm = -INFINITY;
             const float mn = cm > m[r] ? cm : m[r];
             const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);

@@ -41,8 +41,7 @@ static int sample_row(const float *l, int64_t V, float temperature, float u, int
     i16v vbad = (i16v){0};
     for (int64_t v = 0; v < V; v += 16) {
         const v16 x = load16(l, v, V, 1.0f);
-        const i16v gt = x > vm;
-        vm = (v16)(((i16v)x & gt) | ((i16v)vm & ~gt));
+        vm = vmax16(x, vm);
         vbad |= (x != x) | (x == INFINITY);
     }
     float m = -INFINITY;

@@ -1,4 +1,4 @@
-/* Sixteen-float vectors and a vectorised exp for x <= 0, shared by the attention kernel's
+/* Sixteen-float vectors, a lane-wise max and a vectorised exp for x <= 0, shared by the attention kernel's
  * softmax and the MLP's SiLU. GCC vector extensions: the same code builds for AVX2 (two
  * registers) and AVX-512 (one). */
 #ifndef CBGEN_VEXP_H
@@ -8,6 +8,12 @@
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t i16v __attribute__((vector_size(64)));
+
+/* Lane-wise a > b ? a : b (C has no vector conditional); a NaN lane of either yields b's. */
+static inline v16 vmax16(v16 a, v16 b) {
+    const i16v gt = a > b;
+    return (v16)(((i16v)a & gt) | ((i16v)b & ~gt));
+}
 
 /* exp(x) for x <= 0 (a score minus its row's maximum): Cody-Waite reduction by ln 2 and a
  * degree-6 polynomial (the Cephes expf coefficients), within 3 ulp of expf; 0 below -87.33. */
