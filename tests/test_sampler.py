@@ -248,8 +248,9 @@ def test_engine_greedy_temperature_zero_equals_top_k_one(engine: Engine) -> None
     assert all(len(o.output_token_ids) == 12 for o in zero)
 
 
-def test_engine_seeded_request_is_the_same_alone_and_in_a_busy_batch(engine: Engine) -> None:
-    target = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True, seed=77)
+@pytest.mark.parametrize("top_p", [0.9, 1.0], ids=["logits", "plain"])  # plain: the CPU's bf16 head
+def test_engine_seeded_request_is_the_same_alone_and_in_a_busy_batch(engine: Engine, top_p: float) -> None:
+    target = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=16, ignore_eos=True, seed=77)
     alone = LLM(engine=engine).generate([PROMPTS[1]], target)[0].output_token_ids
     # busy: other sampled and greedy requests ahead of and behind it, chunked prefill
     # (budget 6) and a KV cache so small that requests are preempted and recomputed

@@ -22,9 +22,9 @@ _CSRC = Path(__file__).parent / "csrc"
 # rounding); the fused element-wise ops must round exactly like the torch ops they replace.
 _SRCS = {
     _CSRC / "paged_decode.c": ("-ffp-contract=fast",),
-    # finite math lets the bound's max reductions vectorise; the source checks the logits'
-    # exponent bits for inf/NaN itself and never compares against an infinity
-    _CSRC / "greedy_head.c": ("-ffp-contract=fast", "-ffinite-math-only"),
+    # finite math lets the bound's max reductions vectorise; the source checks the logits',
+    # the hidden state's and the bounds' exponent bits for inf/NaN itself
+    _CSRC / "bf16_head.c": ("-ffp-contract=fast", "-ffinite-math-only"),
     _CSRC / "small_gemm.c": ("-ffp-contract=fast",),
     _CSRC / "prefill_attention.c": ("-ffp-contract=fast",),
     _CSRC / "fused_ops.c": ("-ffp-contract=off",),
@@ -90,8 +90,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.cbgen_write_kv_f32.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64]
     lib.cbgen_write_kv_f32.restype = ctypes.c_int
     f32 = ctypes.c_float
-    lib.cbgen_greedy_bf16.argtypes = [p, i64, i64, p, i64, p, p, f32, f32, f32, p]
-    lib.cbgen_greedy_bf16.restype = i64
+    lib.cbgen_head_bf16.argtypes = [p, i64, i64, p, p, i64, p, p, p, f32, f32, f32, f32, p, p, i64, p]
+    lib.cbgen_head_bf16.restype = i64
     lib.cbgen_pack_panels_f32.argtypes = [p, i64, i64, p]
     lib.cbgen_pack_panels_f32.restype = None
     lib.cbgen_small_gemm_f32.argtypes = [p, i64, i64, p, i64, p, p]
@@ -212,31 +212,42 @@ def write_kv_f32(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     return True
 
 
-def greedy_bf16(
+def head_bf16(
     logits: torch.Tensor,
     hidden: torch.Tensor,
+    hidden16: torch.Tensor,
     weight: torch.Tensor,
+    weight_residual_norms: torch.Tensor,
     weight_norms: torch.Tensor,
-    a: float,
-    b: float,
-    c: float,
-) -> tuple[torch.Tensor, int] | None:
-    """The exact argmax of hidden @ weight.T per row, from bfloat16 logits [M, V] of the same
-    product and float32 recomputes of the rows that could still win (csrc/greedy_head.c has
-    the bound). Returns (token ids [M] int64, the most candidates any row needed), or None
-    when a logit is not finite."""
+    bound: tuple[float, float, float, float],
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    max_attempts: int,
+) -> tuple[torch.Tensor, int]:
+    """Tokens from bfloat16 logits [M, V] = hidden16 @ bf16(weight).T, as from the float32
+    logits hidden @ weight.T (csrc/bf16_head.c has the bound; bound = its g, m, b, c): per row
+    the argmax (temperature 0) or a draw from softmax(logits / T) by rejection, its uniforms
+    from a splitmix64 stream started at the row's seed. Returns (token ids [M] int64, -1 where
+    a row must take the float32 path; the most candidates a greedy row needed)."""
     lib = load_library()
     assert lib is not None
     m, v = logits.shape
     k = hidden.shape[1]
-    assert logits.dtype == torch.bfloat16 and logits.is_contiguous()
-    assert hidden.dtype == weight.dtype == weight_norms.dtype == torch.float32
-    assert weight.shape == (v, k) and weight_norms.shape == (v,) and hidden.shape == (m, k)
-    h, w, n = hidden.contiguous(), weight.contiguous(), weight_norms.contiguous()
+    assert logits.dtype == hidden16.dtype == torch.bfloat16 and logits.is_contiguous()
+    assert hidden.dtype == weight.dtype == torch.float32
+    assert weight_norms.dtype == weight_residual_norms.dtype == torch.float32
+    assert weight.shape == (v, k) and weight_norms.shape == weight_residual_norms.shape == (v,)
+    assert hidden.shape == hidden16.shape == (m, k)
+    temp = temperature.to(torch.float32).contiguous()
+    seed = seeds.to(torch.int64).contiguous()
+    assert temp.shape == seed.shape == (m,)
+    h, h16, w = hidden.contiguous(), hidden16.contiguous(), weight.contiguous()
+    r, n = weight_residual_norms.contiguous(), weight_norms.contiguous()
     out = torch.empty(m, dtype=torch.int64)
-    most = lib.cbgen_greedy_bf16(logits.data_ptr(), m, v, h.data_ptr(), k, w.data_ptr(), n.data_ptr(), a, b, c, out.data_ptr())
-    if most < 0:
-        return None
+    ptrs = (h.data_ptr(), h16.data_ptr(), k, w.data_ptr(), r.data_ptr(), n.data_ptr())
+    most = lib.cbgen_head_bf16(
+        logits.data_ptr(), m, v, *ptrs, *bound, temp.data_ptr(), seed.data_ptr(), max_attempts, out.data_ptr()
+    )
     return out, int(most)
 
 

@@ -205,15 +205,42 @@ class ModelRunner:
                     stop_ids_for_min_tokens=info.stop_ids_for_min_tokens,
                 )
             )
-        hidden = hidden[logits_indices]
-        plain = self.model.greedy_head is not None and all(r.plain_argmax for r in rows)
-        greedy = self.model.greedy_tokens(hidden) if plain else None
-        if greedy is not None:
-            sampled = greedy.tolist()
-        else:
-            sampled = self.sampler(self.model.compute_logits(hidden), rows)
+        sampled = self._sample(hidden[logits_indices], rows)
         result = {}
         for s, token in zip(sampling, sampled, strict=True):
             self.rows[s.request_id].token_ids.append(token)
             result[s.request_id] = token
         return result
+
+    def _sample(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """One token per row. Rows the bf16 head answers exactly (plain greedy, plain
+        temperature sampling) go through it; the others, and any row it hands back, through the
+        float32 logits and the sampler. The path depends on the row alone, so a seeded request
+        draws the same tokens whatever shares its batch."""
+        head = self.model.bf16_head
+        tokens = [-1] * len(rows)
+        if head is not None:
+            vocab = self.model.head_weight.shape[0]
+            fast = [
+                i for i, r in enumerate(rows) if r.plain_argmax or r.plain_draw(vocab, head.MIN_TEMPERATURE)
+            ]
+            if fast:
+                params = [rows[i].params for i in fast]
+                temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+                seeds = torch.tensor(
+                    [0 if p.greedy else _draw_seed(rows[i].generator) for i, p in zip(fast, params, strict=True)]
+                )
+                got = head(hidden if len(fast) == len(rows) else hidden[fast], temperature, seeds)
+                for i, token in zip(fast, got.tolist(), strict=True):
+                    tokens[i] = token
+        rest = [i for i, token in enumerate(tokens) if token < 0]
+        if rest:
+            logits = self.model.compute_logits(hidden if len(rest) == len(rows) else hidden[rest])
+            for i, token in zip(rest, self.sampler(logits, [rows[i] for i in rest]), strict=True):
+                tokens[i] = token
+        return tokens
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """A 62-bit seed for one step's draw through the bf16 head, from the request's generator."""
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator))

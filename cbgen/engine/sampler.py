@@ -41,6 +41,18 @@ class SamplingRow:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
+    def plain_draw(self, vocab: int, min_temperature: float) -> bool:
+        """The token is a draw from softmax(raw logits / T): sampled at T >= min_temperature,
+        no penalty, no top-k / top-p / min-p mask, nothing held back."""
+        p = self.params
+        return (
+            not p.greedy
+            and p.temperature >= min_temperature
+            and not p.has_penalties
+            and not _filters(p, vocab)
+            and not (self.num_output_tokens < p.min_tokens and self.stop_ids_for_min_tokens)
+        )
+
     @property
     def plain_argmax(self) -> bool:
         """The token is the argmax of the raw logits: greedy, no penalty, nothing held back."""

@@ -40,38 +40,52 @@ def bf16_matmul_fast() -> bool:
     return onednn_packing_available() and check is not None and bool(check())
 
 
-class GreedyHead:
-    """Exact greedy tokens from a bfloat16 copy of the LM head plus float32 recomputes of the
-    few tokens that could still be the argmax (cbgen/attention/csrc/greedy_head.c proves the
-    bound). Same tokens as argmax over the float32 logits, up to float32 rounding; about half
-    the cost of the float32 head on a CPU with bf16 dot products."""
+class Bf16Head:
+    """The LM head from a bfloat16 copy, with the tokens of the float32 head: greedy rows get
+    the argmax of the float32 logits, sampled rows a draw from their softmax, from bf16 logits
+    with a proven error bound plus float32 recomputes of a few tokens
+    (cbgen/attention/csrc/bf16_head.c has the bound and the rejection step). About half the
+    cost of the float32 head on a CPU with bf16 dot products."""
 
     UNIT = 2.0**-8
     """bfloat16 unit roundoff (8 significant bits, round to nearest)."""
 
+    MIN_TEMPERATURE = 0.25
+    """Sampled rows below this temperature take the float32 head: a proposal is accepted with
+    probability about exp(-bound / T), and the bound (~0.5 on SmolLM2's likely tokens) would
+    have them retry too often."""
+
+    MAX_ATTEMPTS = 1000
+    """Rejected proposals after which a row takes the float32 head."""
+
     def __init__(self, weight: torch.Tensor) -> None:
         hidden = weight.shape[1]
         self.weight = weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), 64)
-        self.norms = (weight.double().norm(dim=1) * (1 + 1e-6)).float()
-        u, f32_unit = self.UNIT, 2.0**-24
-        gamma = (hidden + 32) * f32_unit / (1 - (hidden + 32) * f32_unit)  # fp32 accumulation
-        # inputs rounded to bf16 (2u + u^2 of sum |h w|), accumulation, then the result rounded
-        # to bf16 (allowing a whole ulp, 2u): 25 % margin on top for the fp32 arithmetic of the
-        # bound itself
-        self.a = 1.25 * ((2 * u + u * u) + gamma * (1 + u) ** 2) * (1 + 2 * u)
-        self.b = 1.25 * 2 * u / (1 - 2 * u)
-        self.c = 1e-5
+        w16 = weight.to(torch.bfloat16)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w16, 64)
+        up = 1 + 1e-6  # norms rounded up
+        self.norms = (weight.double().norm(dim=1) * up).float()
+        self.residual_norms = ((w16.double() - weight.double()).norm(dim=1) * up).float()
+        f32_unit = 2.0**-24
+        # g: float32 accumulation over a row (slack for blocked sums); m: 25 % margin for the
+        # bound's own float arithmetic; b: the result rounded to bf16 (a whole ulp allowed)
+        g = (hidden + 32) * f32_unit / (1 - (hidden + 32) * f32_unit)
+        b = 1.25 * 2 * self.UNIT / (1 - 2 * self.UNIT)
+        self.bound = (g, 1.25, b, 1e-5)
         self.last_candidates = 0
-        """The most candidates a row needed in the last call (a diagnostic)."""
+        """The most candidates a greedy row needed in the last call (a diagnostic)."""
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Token ids [M] (int64) for hidden [M, hidden] float32; None if a logit is not finite."""
-        logits = packed_linear(hidden.to(torch.bfloat16), self.packed, None)
-        got = native.greedy_bf16(logits, hidden, self.weight, self.norms, self.a, self.b, self.c)
-        if got is None:
-            return None
-        tokens, self.last_candidates = got
+    def __call__(self, hidden: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+        """Token ids [M] (int64) for hidden [M, hidden] float32, temperature [M] (0: greedy,
+        else >= MIN_TEMPERATURE) and seeds [M] int64 (a sampled row's draw depends only on its
+        logits and seed); -1 for a row that must take the float32 head (a value not finite,
+        or MAX_ATTEMPTS proposals rejected)."""
+        hidden16 = hidden.to(torch.bfloat16)
+        logits = packed_linear(hidden16, self.packed, None)
+        weights = (self.weight, self.residual_norms, self.norms)
+        tokens, self.last_candidates = native.head_bf16(
+            logits, hidden, hidden16, *weights, self.bound, temperature, seeds, self.MAX_ATTEMPTS
+        )
         return tokens
 
 
@@ -264,7 +278,7 @@ class CausalLM(nn.Module):
         """Use the fused C element-wise ops (set by the loader on the CPU in float32)."""
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_panels: torch.Tensor | None = None
-        self.greedy_head: GreedyHead | None = None
+        self.bf16_head: Bf16Head | None = None
         """Set by the loader where bf16 matmuls are native (CPU, float32 model)."""
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -358,13 +372,6 @@ class CausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """The LM head weight [vocab, hidden] (the embedding when tied)."""
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head_weight
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """argmax of compute_logits(hidden) per row through the greedy head; None when there is
-        no greedy head or it cannot answer (then take the logits path)."""
-        if self.greedy_head is None:
-            return None
-        return self.greedy_head(hidden)
 
     # ---- weights ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -298,12 +298,12 @@ def load_model(
     model.requires_grad_(False)
     if device.type == "cpu" and dtype == torch.float32:
         from cbgen.attention.native import fused_ops_available
-        from cbgen.models.llama import GreedyHead, bf16_matmul_fast, onednn_packing_available
+        from cbgen.models.llama import Bf16Head, bf16_matmul_fast, onednn_packing_available
 
         model.fused_cpu_ops = fused_ops_available()
         model.pack_linear_weights(onednn=onednn_packing_available(), panels=model.fused_cpu_ops)
         if model.fused_cpu_ops and bf16_matmul_fast():
-            model.greedy_head = GreedyHead(model.head_weight.data)
+            model.bf16_head = Bf16Head(model.head_weight.data)
     return model
 
 

@@ -1,0 +1,185 @@
+"""The bf16 LM head: bfloat16 logits with a proven error bound, float32 recomputes of a few
+tokens. Greedy rows must get the argmax of the float32 head every time; sampled rows a draw
+from the float32 softmax (by rejection), depending only on the row and its seed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cbgen.attention import native
+from cbgen.models.llama import Bf16Head, bf16_matmul_fast, onednn_packing_available
+
+pytestmark = pytest.mark.skipif(
+    native.load_library() is None or not onednn_packing_available(), reason="no C compiler or oneDNN"
+)
+
+
+def exact_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (hidden.double() @ weight.double().T).argmax(-1)
+
+
+def greedy(head: Bf16Head, hidden: torch.Tensor) -> torch.Tensor:
+    m = hidden.shape[0]
+    return head(hidden, torch.zeros(m), torch.zeros(m, dtype=torch.int64))
+
+
+def test_picks_the_exact_argmax_even_where_bfloat16_cannot_tell_the_tokens_apart() -> None:
+    torch.manual_seed(0)
+    vocab, dim, rows = 5000, 96, 64
+    weight = torch.randn(vocab, dim) * 0.05
+    hidden = torch.randn(rows, dim) * 3
+    # near-ties: for each row, copies of its best token moved by noise far above a bf16 ulp
+    # but orthogonal to the row's hidden state, plus a float32-visible nudge along it (some
+    # up, some down): bf16 orders these tokens at random, only the recompute gets them right
+    best = exact_argmax(hidden, weight)
+    for r in range(0, rows, 2):
+        h = hidden[r] / hidden[r].norm()
+        for j, sign in enumerate((1.0, -1.0, 1.0)):
+            target = (17 * r + 5 * j) % vocab
+            noise = torch.randn(dim) * 2e-3
+            noise -= (noise @ h) * h
+            weight[target] = weight[best[r]] + noise + sign * (j + 1) * 1e-4 * h / hidden[r].norm()
+    head = Bf16Head(weight)
+    got = greedy(head, hidden)
+    want = exact_argmax(hidden, weight)
+    assert torch.equal(got, want)
+    assert torch.equal(got, (hidden @ weight.T).argmax(-1))
+    assert 1 <= head.last_candidates < vocab // 10  # the bound is tight enough to pay
+
+
+def test_ties_go_to_the_first_token_as_in_argmax() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(300, 32)
+    weight[200] = weight[7] = weight[100] * 4  # three identical, largest rows
+    hidden = weight[100:101].clone()
+    assert greedy(Bf16Head(weight), hidden).tolist() == [7]
+
+
+def skewed_head(vocab: int = 40, dim: int = 64) -> tuple[Bf16Head, torch.Tensor, torch.Tensor]:
+    """A head whose logits for one hidden state h are evenly spread over [0, 2], every other
+    token's weight carrying a large component orthogonal to h: its logit is unchanged but its
+    error bound is ~20x the others'. A proposal from the bounds alone (no rejection step) would
+    favour those tokens by up to exp(bound / T)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(dim, generator=g)
+    h *= 30 / h.norm()
+    logits = torch.linspace(0, 2, vocab)
+    ortho = torch.randn(vocab, dim, generator=g)
+    ortho -= (ortho @ h)[:, None] * h / h.norm() ** 2
+    ortho *= (torch.tensor([0.1, 10.0]).repeat(vocab // 2) / ortho.norm(dim=1))[:, None]
+    weight = logits[:, None] * h / h.norm() ** 2 + ortho
+    return Bf16Head(weight), h, (h.double() @ weight.double().T)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_draws_follow_the_float32_softmax(temperature: float) -> None:
+    """20,000 rows with their own seeds: the counts against softmax(exact logits / T), by a
+    chi-square over the 40 tokens (39 degrees of freedom: above 80 has probability < 1e-4 if
+    the draws are right; without the rejection step the statistic is in the thousands)."""
+    head, h, exact = skewed_head()
+    n = 20000
+    seeds = torch.randint(0, 1 << 62, (n,), generator=torch.Generator().manual_seed(5))
+    got = head(h.repeat(n, 1), torch.full((n,), temperature), seeds)
+    assert (got >= 0).all()
+    counts = np.bincount(got.numpy(), minlength=exact.numel())
+    expected = n * torch.softmax(exact / temperature, 0).numpy()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 80, chi2
+
+
+def test_a_row_draws_by_its_seed_alone_whatever_the_batch() -> None:
+    head, h, _ = skewed_head()
+    others = torch.randn(12, h.numel(), generator=torch.Generator().manual_seed(2)) * 10
+    seeds = torch.arange(100, 112)
+    temp = torch.tensor([1.0, 0.0, 0.7] * 4)
+    draws = []
+    for seed in range(20):
+        alone = head(h[None], torch.ones(1), torch.tensor([seed]))
+        batch = torch.cat([others[:5], h[None], others[5:]])
+        s = torch.cat([seeds[:5], torch.tensor([seed]), seeds[5:]])
+        t = torch.cat([temp[:5], torch.ones(1), temp[5:]])
+        inside = head(batch, t, s)
+        assert inside[5] == alone[0]
+        draws.append(int(alone[0]))
+    assert len(set(draws)) > 3  # a real draw, not an argmax
+    assert head(h[None], torch.ones(1), torch.tensor([7])) == head(h[None], torch.ones(1), torch.tensor([7]))
+
+
+def test_greedy_and_sampled_rows_in_one_call() -> None:
+    torch.manual_seed(3)
+    weight = torch.randn(3000, 48) * 0.1
+    hidden = torch.randn(16, 48) * 5
+    temp = torch.tensor([0.0, 1.0] * 8)
+    got = Bf16Head(weight)(hidden, temp, torch.arange(16))
+    assert torch.equal(got[::2], exact_argmax(hidden[::2], weight))
+    assert (got[1::2] >= 0).all()
+
+
+def test_rows_it_cannot_answer_come_back_as_minus_one() -> None:
+    """A hidden state that is not finite, and a draw rejected MAX_ATTEMPTS times: -1 for that
+    row only (the runner sends it through the float32 head)."""
+    head, h, _ = skewed_head()
+    hidden = h.repeat(3, 1)
+    hidden[1, 3] = float("inf")
+    got = head(hidden, torch.tensor([1.0, 1.0, 0.0]), torch.arange(3))
+    assert got[1] == -1 and got[0] >= 0 and got[2] >= 0
+    head.MAX_ATTEMPTS = 1  # a proposal for a high-bound token is almost always rejected
+    got = head(h.repeat(400, 1), torch.full((400,), 0.25), torch.arange(400))
+    assert 0 < int((got == -1).sum()) < 400
+
+
+@pytest.mark.skipif(not bf16_matmul_fast(), reason="bf16 matmuls are emulated on this CPU")
+def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
+    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain greedy and plain sampled rows go through the head; a penalised row, a top-p row
+    and a low temperature take the float32 logits, the others still take the head. Greedy
+    tokens are those of an engine without the head."""
+    from cbgen.config import SamplingParams
+    from cbgen.engine.engine import Engine
+
+    def run(with_head: bool) -> tuple[dict[str, list[int]], list[int], int]:
+        engine = Engine(model=str(tiny_model_dir("llama")), device="cpu", dtype="float32", kv_cache_memory=8 << 20)
+        model = engine.runner.model
+        head = model.bf16_head
+        assert head is not None
+        if not with_head:
+            model.bf16_head = None
+        rows: list[int] = []
+        logits_rows = 0
+        inner_logits = model.compute_logits
+
+        def counted_logits(hidden: torch.Tensor) -> torch.Tensor:
+            nonlocal logits_rows
+            logits_rows += hidden.shape[0]
+            return inner_logits(hidden)
+
+        monkeypatch.setattr(model, "compute_logits", counted_logits)
+        if with_head:
+            monkeypatch.setattr(Bf16Head, "__call__", lambda self, h, *a: rows.append(h.shape[0]) or call(self, h, *a))
+        plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(f"g{i}", [5 + i, 9, 30, 41][: 2 + i], plain)
+        engine.add_request("pen", [5, 9], plain.replace(repetition_penalty=1.3))
+        engine.add_request("s", [7, 8, 9], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+        engine.add_request("top_p", [7, 8], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True))
+        engine.add_request("cold", [7, 8], SamplingParams(temperature=0.1, max_tokens=12, ignore_eos=True))
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step().finished:
+                out[o.request_id] = o.output_token_ids
+        return out, rows, logits_rows
+
+    call = Bf16Head.__call__
+    with_head, head_rows, logits_rows = run(True)
+    monkeypatch.setattr(Bf16Head, "__call__", call)
+    without, _, all_rows = run(False)
+    assert sum(head_rows) == 4 * 12  # three greedy rows and the plain sampled one, every step
+    assert logits_rows == 3 * 12 and all_rows == 7 * 12  # the penalised, top-p and cold rows
+    assert {k: with_head[k] for k in ("g0", "g1", "g2", "pen")} == {k: without[k] for k in ("g0", "g1", "g2", "pen")}
+    assert all(len(v) == 12 for v in with_head.values())
