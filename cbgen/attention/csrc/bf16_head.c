@@ -116,14 +116,16 @@ static int upper_bounds(const uint16_t *l, int64_t V, const bound_t *e, float *u
 
 /* proposal weights exp((U_v - max) / T) of 16 tokens from i on, 0 past end */
 static inline v16 weights16(const float *up, int64_t i, int64_t end, float m, float inv_t) {
-    v16 u;
-    if (i + 16 <= end) {
+    const int64_t n = end - i < 16 ? end - i : 16;
+    v16 u = (v16){0} + m;
+    if (n == 16) {
         u = *(const v16u *)(up + i);
     } else {
-        u = (v16){0} + m - 1e4f; /* far below: weight 0 */
-        for (int64_t k = 0; i + k < end; ++k) u[k] = up[i + k];
+        for (int64_t k = 0; k < n; ++k) u[k] = up[i + k];
     }
-    return exp_nonpositive(vmax16((u - m) * inv_t, (v16){0} - 100.0f));
+    v16 w = exp_nonpositive(vmax16((u - m) * inv_t, (v16){0} - 100.0f));
+    for (int64_t k = n; k < 16; ++k) w[k] = 0.0f;
+    return w;
 }
 
 static inline uint64_t splitmix64(uint64_t *state) {
