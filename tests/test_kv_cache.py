@@ -272,3 +272,57 @@ def test_equal_hash_of_equal_tokens_after_another_prefix_is_not_shared(monkeypat
     c = make_request("c", [1, 2, 3, 4, 5, 6, 7, 8, 0])
     hits, n = kv.get_computed_blocks(c)
     assert ([blk.block_id for blk in hits], n) == ([0, 1], 8)
+
+
+# ---- partial hits --------------------------------------------------------------------------
+
+
+def test_partial_hit_takes_the_first_tokens_of_a_block_written_in_an_earlier_step() -> None:
+    kv = KVCacheManager(16, 4)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    kv.new_step()
+    admit(kv, a)
+    computed(kv, a, 10)  # blocks [1..4], [5..8] cached in this step
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 70, 80, 90])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 4
+    assert kv.get_partial_block(b, hits) is None  # a's blocks are not written until the step ran
+    kv.new_step()
+    block, j = kv.get_partial_block(b, hits)
+    assert block.block_id == kv.block_ids("a")[1] and j == 2  # [5, 6] of a's [5, 6, 7, 8]
+    assert kv.allocate_slots(b, 3, hits, 2) is not None  # 4 cached + 2 copied + 3 new: 3 blocks
+    assert len(kv.block_ids("b")) == 3 and kv.block_ids("b")[0] == kv.block_ids("a")[0]
+    assert kv.num_hits == 6
+    # at most up to the last token: a prompt that is a's first 6 tokens reuses 5 of them
+    c = make_request("c", [1, 2, 3, 4, 5, 6])
+    hits, _ = kv.get_computed_blocks(c)
+    assert kv.get_partial_block(c, hits)[1] == 1
+    # none when no cached block starts like the next block (first blocks: after no block)
+    d = make_request("d", [9, 9, 9, 9, 5, 6, 7])
+    assert kv.get_partial_block(d, kv.get_computed_blocks(d)[0]) is None
+    e = make_request("e", [1, 2, 3, 4, 50, 6, 7])
+    assert kv.get_partial_block(e, kv.get_computed_blocks(e)[0]) is None
+
+
+def test_partial_hit_source_gone_once_evicted_and_none_without_caching() -> None:
+    kv = KVCacheManager(3, 4)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    kv.new_step()
+    admit(kv, a)
+    computed(kv, a, 9)
+    kv.free(a)
+    kv.new_step()
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 0])
+    hits, _ = kv.get_computed_blocks(b)
+    assert kv.get_partial_block(b, hits)[1] == 2
+    # a request with nothing in common takes every free block: the cached ones are evicted
+    other = make_request("x", [40, 41, 42, 43, 44, 45, 46, 47, 48, 49])
+    assert admit(kv, other) is not None
+    kv.free(other)
+    assert kv.get_partial_block(b, kv.get_computed_blocks(b)[0]) is None
+    off = KVCacheManager(8, 4, enable_caching=False)
+    off.new_step()
+    admit(off, a)
+    computed(off, a, 9)
+    off.new_step()
+    assert off.get_partial_block(b, []) is None

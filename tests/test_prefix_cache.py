@@ -1,5 +1,6 @@
 """Prefix caching end to end: greedy output with caching on equals caching off, token for
-token, and the cached-token counts are exactly the shared full blocks.
+token, and the cached-token counts are exactly the shared full blocks plus the partial hits
+(the first tokens of a block cached in an earlier step after the same block).
 
 Tiny random-weight models (block size 4) for the exact cases; SmolLM2 once, marked slow."""
 
@@ -71,7 +72,7 @@ def tokens(outs: list[list[RequestOutput]]) -> list[list[list[int]]]:
     return [[o.output_token_ids for o in batch] for batch in outs]
 
 
-def test_caching_on_equals_off_and_counts_exactly_the_shared_blocks(base: Engine) -> None:
+def test_caching_on_equals_off_and_counts_exactly_the_shared_tokens(base: Engine) -> None:
     first, rest = PROMPTS[0], PROMPTS[1:]
     batches = [[first], rest]
     off_engine, off = run(base, batches, enable_prefix_caching=False)
@@ -82,8 +83,13 @@ def test_caching_on_equals_off_and_counts_exactly_the_shared_blocks(base: Engine
     # and all but its last output token were computed) and the full blocks of the prompts
     # admitted before them in the same step, which are cached as soon as they are scheduled
     computed = first + on[0][0].output_token_ids[:-1]
-    want = [max(expected_cached(p, seen) for seen in [computed, *rest[:i]]) for i, p in enumerate(rest)]
-    assert want == [20, 4, 12, 16, 0, 28]
+    full = [max(expected_cached(p, seen) for seen in [computed, *rest[:i]]) for i, p in enumerate(rest)]
+    assert full == [20, 4, 12, 16, 0, 28]
+    # then a partial hit: the first tokens of the 1st call's block after the last full hit
+    # (blocks of this step's prompts are not written yet), below the prompt's last token
+    partial = [min(common_prefix(p[n:], computed[n : n + BS]), len(p) - 1 - n) for p, n in zip(rest, full, strict=True)]
+    assert partial == [3, 2, 0, 3, 0, 1 + common_prefix([7] * 3, on[0][0].output_token_ids[:3])]
+    want = [f + p for f, p in zip(full, partial, strict=True)]
     assert [o.num_cached_tokens for o in on[1]] == want
     assert on[0][0].num_cached_tokens == 0
     assert (on_engine.kv.num_hits, off_engine.kv.num_hits) == (sum(want), 0)
@@ -98,8 +104,9 @@ def test_caching_on_equals_off_within_one_call_with_chunked_prefill(base: Engine
     _, on = run(base, batches, enable_prefix_caching=True, **overrides)
     assert tokens(on) == tokens(off)
     cached = [o.num_cached_tokens for o in on[0]]
-    # the 2nd shares 5 full blocks with the 1st; the repeat takes all but its last block
-    assert cached[1] == 20 and cached[3] == 12 and cached[5] == 0
+    # the 2nd shares 5 full blocks and 3 tokens of the next with the 1st; the repeat takes all
+    # but its last block (that block holds only its last token)
+    assert cached[1] == 23 and cached[3] == 12 and cached[5] == 0
     assert sum(cached) > 0
 
 
@@ -148,6 +155,7 @@ def test_smollm2_caching_on_equals_off(smollm2_engine: Engine) -> None:
         results[caching] = ([o.output_token_ids for o in outs], [o.num_cached_tokens for o in outs])
     assert results[True][0] == results[False][0]
     assert results[False][1] == [0] * 4
-    # the system prompt's full blocks are shared by all; the repeat is capped below its last token
+    # the system prompt's full blocks are shared by all; the repeat reuses its first run down
+    # to the token (a partial hit in its last block), capped below its last token
     assert all(n >= bs for n in results[True][1][1:])
-    assert results[True][1][3] == (len(prompts[0]) - 1) // bs * bs
+    assert results[True][1][3] == len(prompts[0]) - 1

@@ -94,6 +94,11 @@ class FakeRunner:
             self.tokens.pop(rid, None)
             self.tables.pop(rid, None)
         sampled: dict[str, int] = {}
+        for s in out.scheduled:  # partial prefix hits: K/V copied before the step runs
+            if s.kv_copy is not None:
+                src, dst, n = s.kv_copy
+                for k in range(n):
+                    self.slots[dst * self.bs + k] = self.slots[src * self.bs + k]
         for s in out.scheduled:
             rid = s.request_id
             if s.new_token_ids is not None:  # (re)admitted: the full token list, a fresh table
@@ -354,6 +359,28 @@ def test_shared_prefix_is_taken_from_the_cache_with_exact_block_ids() -> None:
     assert rows(steps[0]) == [Row("b", 8, 2, (0, 1, 4), True, True)]
     assert steps[0].num_cached_tokens == 8 and b.num_cached_tokens == 8
     assert runner.num_context_reads >= 8  # b attended to a's K/V, checked slot by slot
+
+
+def test_a_prefix_ending_inside_a_block_is_copied_down_to_the_token() -> None:
+    sched = make_scheduler(num_blocks=16, caching=True)
+    runner = FakeRunner(sched)
+    p = list(range(40, 52))  # 12 tokens: 3 full blocks
+    a = make_request("a", p, 1)
+    assert rows(run(sched, [a], runner)[0]) == [Row("a", 0, 12, (0, 1, 2), True, True)]
+    # b shares a's first block and 2 tokens of its second: block 0 is a hit, the 2 tokens' K/V
+    # are copied from a's block 1 into b's own next block (3, the free queue's head)
+    b = make_request("b", [*p[:6], 7, 7, 7], 1)
+    reads = runner.num_context_reads
+    (step,) = run(sched, [b], runner)
+    assert rows(step) == [Row("b", 6, 3, (0, 3, 4), True, True)]
+    assert step.scheduled[0].kv_copy == (1, 3, 2)
+    assert step.num_cached_tokens == 6 and b.num_cached_tokens == 6
+    assert runner.num_context_reads - reads == 6  # checked slot by slot, copies included
+    # admitted in the same step as c, d shares c's first block (cached when scheduled) but no
+    # partial hit from c's second: its K/V is not written before this step runs
+    c, d = make_request("c", [90, 91, 92, 93, 94, 95, 96, 97], 1), make_request("d", [90, 91, 92, 93, 94, 95, 9], 1)
+    step = run(sched, [c, d], runner)[0]
+    assert [(s.num_computed_tokens, s.kv_copy) for s in step.scheduled] == [(0, None), (4, None)]
 
 
 def test_a_preempted_request_gets_its_own_cached_blocks_back() -> None:

@@ -16,6 +16,13 @@ stored (parent hash, token ids), and a prefix is walked from its first block, st
 first miss: so a forced equal hash (a collision) never shares a block, whether the two blocks
 differ in their tokens or only in what precedes them.
 
+A shared prefix rarely ends on a block boundary. Past the last full hit, the request may also
+take the first tokens of a cached block that follows the same block it does (the last one
+cached after it): those tokens' K/V is copied into the request's own next block before the
+step runs (a partial hit), so the prefix is reused down to the token. Only blocks registered
+in an earlier step qualify: blocks are registered when scheduled, before the forward pass
+writes them.
+
 The manager never picks a victim and never writes into a request: it answers "no room" with
 None and the scheduler decides what to do.
 """
@@ -50,10 +57,18 @@ class KVCacheBlock:
     """The hash of the block before this one in its sequence (None for a first block)."""
     token_ids: tuple[int, ...] | None = None
     """The tokens a cached block holds; with parent_hash, checked on every hit."""
+    parent_block_id: int | None = None
+    """The block before this one in the sequence it was cached from (None for a first block)."""
+    cached_step: int = -1
+    """The scheduling step that registered it (its K/V is written once that step has run)."""
 
 
 class BlockPool:
     """All blocks, the free queue (eviction order) and the hash -> block index."""
+
+    MAX_CHILDREN = 4
+    """Blocks remembered per parent for partial hits (the newest; a step's own registrations
+    do not qualify until the next step, so more than one is kept)."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -63,6 +78,11 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
+        self.children: dict[BlockHash | None, list[int]] = {}
+        """Parent hash (None: no parent) -> the last blocks cached after it (at most
+        MAX_CHILDREN, oldest first): where partial hits copy from."""
+        self.step = 0
+        """Scheduling steps so far (KVCacheManager.new_step)."""
         self.num_evictions = 0
 
     @property
@@ -90,6 +110,11 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
+            siblings = self.children.get(block.parent_hash)
+            if siblings is not None and block.block_id in siblings:
+                siblings.remove(block.block_id)
+                if not siblings:
+                    del self.children[block.parent_hash]
             block.block_hash = None
             block.parent_hash = None
             block.token_ids = None
@@ -129,6 +154,7 @@ class BlockPool:
         block_hash: BlockHash,
         parent_hash: BlockHash | None,
         token_ids: Sequence[int],
+        parent_block_id: int | None = None,
     ) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
@@ -137,7 +163,33 @@ class BlockPool:
         block.block_hash = block_hash
         block.parent_hash = parent_hash
         block.token_ids = tuple(token_ids)
+        block.parent_block_id = parent_block_id
+        block.cached_step = self.step
         self.cached[block_hash] = block.block_id
+        siblings = self.children.setdefault(parent_hash, [])
+        siblings.append(block.block_id)
+        if len(siblings) > self.MAX_CHILDREN:
+            del siblings[0]
+
+    def lookup_partial(
+        self, parent_hash: BlockHash | None, parent_block_id: int | None, token_ids: Sequence[int]
+    ) -> tuple[KVCacheBlock, int] | None:
+        """Of the last blocks cached after this parent (the same block, not only the same hash)
+        in an earlier step, the one whose first tokens match token_ids' longest, and how many
+        match; None if none do."""
+        best: tuple[KVCacheBlock, int] | None = None
+        for block_id in reversed(self.children.get(parent_hash, ())):
+            block = self.blocks[block_id]
+            if block.parent_block_id != parent_block_id or block.cached_step >= self.step or block.token_ids is None:
+                continue
+            n = 0
+            for a, b in zip(block.token_ids, token_ids, strict=False):  # token_ids may be shorter
+                if a != b:
+                    break
+                n += 1
+            if n and (best is None or n > best[1]):
+                best = (block, n)
+        return best
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
@@ -208,20 +260,42 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * bs
 
+    def get_partial_block(
+        self, request: Request, computed_blocks: Sequence[KVCacheBlock]
+    ) -> tuple[KVCacheBlock, int] | None:
+        """A partial hit past the request's full hits (computed_blocks): a block to copy the
+        first K/V entries of, and how many (at least the last token is left to compute)."""
+        if not self.enable_caching:
+            return None
+        bs = self.block_size
+        i = len(computed_blocks)
+        start = i * bs
+        if start >= request.num_tokens - 1:
+            return None
+        parent = self._hashes(request, i)[i - 1] if i else None
+        parent_id = computed_blocks[-1].block_id if i else None
+        tokens = request.all_token_ids[start : min(start + bs, request.num_tokens - 1)]
+        return self.pool.lookup_partial(parent, parent_id, tokens)
+
+    def new_step(self) -> None:
+        """A scheduling step begins: blocks registered before now have their K/V written."""
+        self.pool.step += 1
+
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         computed_blocks: Sequence[KVCacheBlock] = (),
+        num_partial: int = 0,
     ) -> list[int] | None:
-        """Grow the request's block table to hold num_computed_tokens (plus the tokens of
-        computed_blocks, for a request being admitted) + num_new_tokens.
+        """Grow the request's block table to hold num_computed_tokens (plus, for a request
+        being admitted, the tokens of computed_blocks and of a partial hit) + num_new_tokens.
 
         Returns the ids of the blocks added (cache hits first), or None, changing nothing,
         when there is no room.
         """
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_partial
         need = self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(computed_blocks)
         # Hits sitting idle in the free queue are no longer free once taken.
         idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -231,7 +305,7 @@ class KVCacheManager:
             return None
         if not blocks:  # an admission: count its hits once (a retry after "no room" is not)
             self.num_queries += request.num_tokens
-            self.num_hits += len(computed_blocks) * self.block_size
+            self.num_hits += len(computed_blocks) * self.block_size + num_partial
         self.pool.touch(computed_blocks)
         new = self.pool.get_new_blocks(max(need, 0))
         blocks.extend(computed_blocks)
@@ -257,7 +331,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range(start, num_full):
             parent = hashes[i - 1] if i else None
-            self.pool.cache_block(blocks[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs])
+            parent_id = blocks[i - 1].block_id if i else None
+            self.pool.cache_block(blocks[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs], parent_id)
         self.req_num_registered[rid] = num_full
 
     def free(self, request: Request) -> None:

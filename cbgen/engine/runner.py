@@ -186,6 +186,11 @@ class ModelRunner:
         self._update_states(out)
         if out.is_empty:
             return {}
+        for s in out.scheduled:
+            if s.kv_copy is not None:
+                src, dst, n = s.kv_copy
+                for cache in self.kv_caches:  # [2, blocks, block_size, kv heads, head dim]
+                    cache[:, dst, :n] = cache[:, src, :n]
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
         self.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)

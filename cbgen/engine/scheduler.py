@@ -45,6 +45,9 @@ class ScheduledRequest:
     the runner keeps its own copy of the tokens of running requests."""
     will_sample: bool
     """The request catches up this step, so a token is sampled for it."""
+    kv_copy: tuple[int, int, int] | None = None
+    """(source block, destination block, n): a partial prefix hit; the runner copies the first
+    n tokens' K/V from source to destination before the step runs."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class _StepBuilder:
         num_new: int,
         new_blocks: list[int],
         readmitted: bool,
+        kv_copy: tuple[int, int, int] | None = None,
     ) -> None:
         will_sample = req.num_computed_tokens + num_new == req.num_tokens
         self.scheduled.append(
@@ -91,6 +95,7 @@ class _StepBuilder:
                 new_block_ids=tuple(new_blocks),
                 new_token_ids=tuple(req.all_token_ids) if readmitted else None,
                 will_sample=will_sample,
+                kv_copy=kv_copy,
             )
         )
         self.budget -= num_new
@@ -137,6 +142,7 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
+        self.kv.new_step()
         step = _StepBuilder(budget=self.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
@@ -182,6 +188,9 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and step.budget > 0:
             req = self.waiting[0]
             computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            partial = self.kv.get_partial_block(req, computed_blocks)
+            num_partial = partial[1] if partial else 0
+            num_cached += num_partial
             remaining = req.num_tokens - num_cached
             num_new = min(remaining, step.budget)
             if (
@@ -189,7 +198,7 @@ class Scheduler:
                 and num_new < remaining <= self.max_num_batched_tokens
             ):
                 break  # wait for a step with room for all of it
-            new_blocks = self.kv.allocate_slots(req, num_new, computed_blocks)
+            new_blocks = self.kv.allocate_slots(req, num_new, computed_blocks, num_partial)
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -201,7 +210,8 @@ class Scheduler:
             self.running.append(req)
             step.cached += num_cached
             self.kv.cache_blocks(req, req.num_computed_tokens + num_new)
-            step.add(req, num_new, new_blocks, readmitted=True)
+            copy = (partial[0].block_id, new_blocks[len(computed_blocks)], num_partial) if partial else None
+            step.add(req, num_new, new_blocks, readmitted=True, kv_copy=copy)
 
     # ---- after the forward pass -----------------------------------------------------
     def update_from_output(

@@ -118,6 +118,7 @@ class StaticScheduler(Scheduler):
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
+        self.kv.new_step()
         step = _StepBuilder(budget=self.max_num_batched_tokens)
         if self.batch is None and self.waiting:
             self.batch = self._form_batch(now)
@@ -202,14 +203,18 @@ class StaticScheduler(Scheduler):
             if not admitted and len(self._rows) >= self.max_num_seqs:
                 break  # no runner row until a pad has finished computing; keep the order
             computed_blocks: list[KVCacheBlock] = []
-            num_cached = 0
+            num_cached = num_partial = 0
+            partial = None
             if not admitted and not is_pad:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+                partial = self.kv.get_partial_block(req, computed_blocks)
+                num_partial = partial[1] if partial else 0
+                num_cached += num_partial
                 remaining -= num_cached
             num_new = min(remaining, step.budget)
             if not self.enable_chunked_prefill and num_new < remaining:
                 break
-            new_blocks = self.kv.allocate_slots(req, num_new, computed_blocks)
+            new_blocks = self.kv.allocate_slots(req, num_new, computed_blocks, num_partial)
             if new_blocks is None:
                 raise RuntimeError(f"static batch {batch.index}: KV cache ran out despite its reservation")
             if not admitted:
@@ -218,7 +223,8 @@ class StaticScheduler(Scheduler):
                     req.num_computed_tokens = num_cached
                     req.num_cached_tokens = num_cached
                     step.cached += num_cached
-            step.add(req, num_new, new_blocks, readmitted=not admitted)
+            copy = (partial[0].block_id, new_blocks[len(computed_blocks)], num_partial) if partial else None
+            step.add(req, num_new, new_blocks, readmitted=not admitted, kv_copy=copy)
 
     # ---- after the forward pass -----------------------------------------------------
     def update_from_output(
