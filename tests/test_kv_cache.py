@@ -326,3 +326,30 @@ def test_partial_hit_source_gone_once_evicted_and_none_without_caching() -> None
     computed(off, a, 9)
     off.new_step()
     assert off.get_partial_block(b, []) is None
+
+
+def test_many_blocks_registered_in_one_step_keep_the_earlier_partial_sources() -> None:
+    """Twenty requests admitted in one step each cache a block after the shared first block;
+    the block cached in the step before stays a partial-hit source for the next step."""
+    kv = KVCacheManager(64, 4)
+    kv.new_step()
+    first = make_request("first", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    admit(kv, first)
+    computed(kv, first, 9)
+    kv.new_step()
+    for i in range(20):
+        r = make_request(f"r{i}", [1, 2, 3, 4, 5, 6, 100 + i, 200 + i, 0])
+        admit(kv, r)
+        computed(kv, r, 9)
+    assert len(kv.pool.children[kv.pool.blocks[kv.block_ids("first")[1]].parent_hash]) == kv.pool.MAX_CHILDREN
+    late = make_request("late", [1, 2, 3, 4, 5, 6, 7, 0])  # admitted in the same step
+    hits, _ = kv.get_computed_blocks(late)
+    block, j = kv.get_partial_block(late, hits)
+    assert block.block_id == kv.block_ids("first")[1] and j == 3
+    # closer to r19's block (3 tokens) than to first's (2), but r19's is usable only next step
+    near = make_request("near", [1, 2, 3, 4, 5, 6, 119, 0, 1])
+    hits, _ = kv.get_computed_blocks(near)
+    assert kv.get_partial_block(near, hits)[1] == 2
+    kv.new_step()
+    block, j = kv.get_partial_block(near, hits)
+    assert block.block_id == kv.block_ids("r19")[1] and j == 3

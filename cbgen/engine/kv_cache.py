@@ -17,8 +17,8 @@ first miss: so a forced equal hash (a collision) never shares a block, whether t
 differ in their tokens or only in what precedes them.
 
 A shared prefix rarely ends on a block boundary. Past the last full hit, the request may also
-take the first tokens of a cached block that follows the same block it does (the last one
-cached after it): those tokens' K/V is copied into the request's own next block before the
+take the first tokens of a cached block that follows the same block it does (the best match
+among up to BlockPool.MAX_CHILDREN remembered): those tokens' K/V is copied into the request's own next block before the
 step runs (a partial hit), so the prefix is reused down to the token. Only blocks registered
 in an earlier step qualify: blocks are registered when scheduled, before the forward pass
 writes them.
@@ -67,8 +67,8 @@ class BlockPool:
     """All blocks, the free queue (eviction order) and the hash -> block index."""
 
     MAX_CHILDREN = 4
-    """Blocks remembered per parent for partial hits (the newest; a step's own registrations
-    do not qualify until the next step, so more than one is kept)."""
+    """Blocks remembered per parent for partial hits (a step's own registrations do not
+    qualify until the next step, and they only replace each other, not earlier ones)."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -79,8 +79,8 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.children: dict[BlockHash | None, list[int]] = {}
-        """Parent hash (None: no parent) -> the last blocks cached after it (at most
-        MAX_CHILDREN, oldest first): where partial hits copy from."""
+        """Parent hash (None: no parent) -> blocks cached after it (at most MAX_CHILDREN,
+        oldest first): where partial hits copy from."""
         self.step = 0
         """Scheduling steps so far (KVCacheManager.new_step)."""
         self.num_evictions = 0
@@ -169,7 +169,11 @@ class BlockPool:
         siblings = self.children.setdefault(parent_hash, [])
         siblings.append(block.block_id)
         if len(siblings) > self.MAX_CHILDREN:
-            del siblings[0]
+            # drop the oldest block registered in this step, if another is: the blocks of
+            # earlier steps are the ones a partial hit can use now (many requests admitted in
+            # one step would otherwise push them all out)
+            now = [i for i in siblings[:-1] if self.blocks[i].cached_step == self.step]
+            siblings.remove(now[0] if now else siblings[0])
 
     def lookup_partial(
         self, parent_hash: BlockHash | None, parent_block_id: int | None, token_ids: Sequence[int]
