@@ -18,10 +18,10 @@ differ in their tokens or only in what precedes them.
 
 A shared prefix rarely ends on a block boundary. Past the last full hit, the request may also
 take the first tokens of a cached block that follows the same block it does (the best match
-among up to BlockPool.MAX_CHILDREN remembered): those tokens' K/V is copied into the request's own next block before the
-step runs (a partial hit), so the prefix is reused down to the token. Only blocks registered
-in an earlier step qualify: blocks are registered when scheduled, before the forward pass
-writes them.
+among up to BlockPool.MAX_CHILDREN remembered): those tokens' K/V is copied into the request's
+own next block before the step runs (a partial hit), so the prefix is reused down to the
+token. Only blocks registered in an earlier step qualify: blocks are registered when
+scheduled, before the forward pass writes them.
 
 The manager never picks a victim and never writes into a request: it answers "no room" with
 None and the scheduler decides what to do.

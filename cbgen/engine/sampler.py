@@ -1,6 +1,8 @@
 """Batched sampling: penalties, min_tokens, greedy, temperature / top-k / top-p / min-p.
 
-One call per step for every request that samples. Each random row draws one uniform number
+One call per step for the requests that sample from float32 logits (on a CPU with native
+bf16 matmuls, plain greedy and plain temperature rows take the exact bf16 LM head instead,
+cbgen.models.llama.Bf16Head, and come here only if it hands them back). Each random row draws one uniform number
 from its request's own generator and takes the token where the cumulative distribution passes
 it (inverse CDF), so a seeded request gives the same tokens alone or
 inside any batch, at the cost of one draw per row rather than one per vocabulary entry. On the
