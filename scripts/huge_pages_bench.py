@@ -13,11 +13,18 @@ every sequence decodes are compared. Needs transparent huge pages (`madvise` or 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
+
+from timing import alternating_decode_steps, median  # scripts/timing.py
 
 from cbgen.attention import native
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
+
+
+def all_unfinished(engines: list[Engine]) -> bool:
+    return all(e.has_unfinished_requests() for e in engines)
 
 
 def main() -> None:
@@ -38,13 +45,9 @@ def main() -> None:
             for i in range(rows):
                 n = rng.randint(args.prompt // 2, args.prompt * 3 // 2)
                 engine.add_request(str(i), [rng.randrange(100, 40000) for _ in range(n)], params)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        while all(e.has_unfinished_requests() for e in engines.values()):
-            for huge, engine in engines.items():
-                stats = engine.step().stats
-                if stats.num_prefill_tokens == 0 and stats.num_decode_tokens == rows:
-                    times[huge].append(stats.duration_s)
-        small, big = (sorted(times[h])[len(times[h]) // 2] * 1000 for h in (False, True))
+        steps = {huge: (lambda e=engine: e.step().stats) for huge, engine in engines.items()}
+        times = alternating_decode_steps(steps, rows, functools.partial(all_unfinished, list(engines.values())))
+        small, big = (median(times[h]) * 1000 for h in (False, True))
         print(
             f"{rows:3d} sequences: 4 KiB pages {small:6.1f} ms, 2 MiB pages {big:6.1f} ms a step "
             f"({small / big:.3f}x, medians of {len(times[True])} steps)"

@@ -13,8 +13,18 @@ from __future__ import annotations
 import argparse
 import random
 
+from timing import alternating_decode_steps, median  # scripts/timing.py
+
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
+from cbgen.engine.outputs import StepStats
+from cbgen.models.llama import Bf16Head
+
+
+def switch(engine: Engine, head: Bf16Head | None) -> StepStats:
+    """One step of engine with its model's bf16 head set to head (None: the float32 head)."""
+    engine.runner.model.bf16_head = head
+    return engine.step().stats
 
 
 def main() -> None:
@@ -35,16 +45,9 @@ def main() -> None:
         for i in range(rows):
             n = rng.randint(args.prompt // 2, args.prompt * 3 // 2)
             engine.add_request(str(i), [rng.randrange(100, 40000) for _ in range(n)], params)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        step = 0
-        while engine.has_unfinished_requests():
-            bf16 = step % 2 == 1
-            model.bf16_head = head if bf16 else None
-            stats = engine.step().stats
-            step += 1
-            if stats.num_prefill_tokens == 0 and stats.num_decode_tokens == rows:
-                times[bf16].append(stats.duration_s)
-        f32, b16 = (sorted(times[h])[len(times[h]) // 2] * 1000 for h in (False, True))
+        steps = {bf16: (lambda bf16=bf16, e=engine, h=head: switch(e, h if bf16 else None)) for bf16 in (False, True)}
+        times = alternating_decode_steps(steps, rows, engine.has_unfinished_requests)
+        f32, b16 = (median(times[h]) * 1000 for h in (False, True))
         print(
             f"{rows:3d} sequences: float32 head {f32:6.1f} ms, bf16 head {b16:6.1f} ms a step "
             f"({f32 / b16:.3f}x, medians of {len(times[True])} steps)"

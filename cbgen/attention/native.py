@@ -33,7 +33,7 @@ _SRCS = {
     # temperature sampling: divides by the temperature as torch does (no reciprocal)
     _CSRC / "sample.c": ("-ffp-contract=off", "-fno-reciprocal-math"),
 }
-_HEADERS = [_CSRC / "vexp.h"]
+_HEADERS = [_CSRC / "vexp.h", _CSRC / "cdf.h"]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
 
 

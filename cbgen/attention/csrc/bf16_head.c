@@ -42,6 +42,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cdf.h"
 #include "vexp.h"
 
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
@@ -114,8 +115,15 @@ static int upper_bounds(const uint16_t *l, int64_t V, const bound_t *e, float *u
     return nonfinite || (mb.u & 0x7F800000u) == 0x7F800000u ? -1 : 0;
 }
 
+typedef struct {
+    const float *up;
+    float m, inv_t;
+} weights_ctx;
+
 /* proposal weights exp((U_v - max) / T) of 16 tokens from i on, 0 past end */
-static inline v16 weights16(const float *up, int64_t i, int64_t end, float m, float inv_t) {
+static inline v16 weights16(const void *ctx, int64_t i, int64_t end) {
+    const float *up = ((const weights_ctx *)ctx)->up;
+    const float m = ((const weights_ctx *)ctx)->m, inv_t = ((const weights_ctx *)ctx)->inv_t;
     const int64_t n = end - i < 16 ? end - i : 16;
     v16 u = (v16){0} + m;
     if (n == 16) {
@@ -139,46 +147,14 @@ static inline double uniform(uint64_t *state) { return (double)(splitmix64(state
 
 static int64_t sample_row(const float *up, int64_t V, float m, float temperature, const float *h,
                           const float *weight, int64_t K, uint64_t seed, int64_t max_attempts) {
-    const float inv_t = 1.0f / temperature;
-    /* the proposal's weights summed by chunk, at most 256 chunks of a multiple of 16 tokens */
-    const int64_t chunk = ((V + 255) / 256 + 15) / 16 * 16;
-    const int64_t nchunks = (V + chunk - 1) / chunk;
-    double sums[256];
-    double total = 0.0;
-    for (int64_t c = 0; c < nchunks; ++c) {
-        const int64_t hi = (c + 1) * chunk < V ? (c + 1) * chunk : V;
-        v16 acc = (v16){0};
-        for (int64_t i = c * chunk; i < hi; i += 16) acc += weights16(up, i, hi, m, inv_t);
-        double s = 0.0;
-        for (int k = 0; k < 16; ++k) s += (double)acc[k];
-        sums[c] = s;
-        total += s;
-    }
+    const weights_ctx ctx = {up, m, 1.0f / temperature};
+    cdf_t cdf;
+    cdf_sums(&cdf, V, weights16, &ctx);
     uint64_t state = seed;
     for (int64_t attempt = 0; attempt < max_attempts; ++attempt) {
-        const double target = uniform(&state) * total;
+        const double target = uniform(&state) * cdf.total;
         const double accept = uniform(&state);
-        double run = 0.0;
-        int64_t c = 0;
-        while (c < nchunks - 1 && run + sums[c] <= target) run += sums[c++];
-        const int64_t hi = (c + 1) * chunk < V ? (c + 1) * chunk : V;
-        int64_t v = -1, last = -1;
-        for (int64_t i = c * chunk; i < hi && v < 0; i += 16) {
-            const v16 w = weights16(up, i, hi, m, inv_t);
-            for (int k = 0; k < 16 && i + k < hi; ++k) {
-                if (w[k] > 0.0f) {
-                    last = i + k;
-                    run += (double)w[k];
-                    if (run > target) {
-                        v = last;
-                        break;
-                    }
-                }
-            }
-        }
-        /* the chunk sum was taken lane by lane, the scan in order: if rounding leaves the
-         * target just past the scan, the chunk's last weighted token is where the sum crossed */
-        if (v < 0) v = last;
+        const int64_t v = cdf_pick(&cdf, target, weights16, &ctx);
         if (v < 0) continue;
         const double lv = (double)dot_f32(h, weight + v * K, K);
         if (accept < exp((lv - (double)up[v]) / (double)temperature)) return v;

@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cdf.h"
 #include "vexp.h"
 
 /* Sixteen tokens from i on (fewer at the row's end, the rest -inf: weight 0), divided by the
@@ -31,6 +32,17 @@ static inline v16 load16(const float *l, int64_t i, int64_t end, float temperatu
         for (int64_t k = 0; i + k < end; ++k) x[k] = l[i + k];
     }
     return temperature == 1.0f ? x : x / temperature;
+}
+
+typedef struct {
+    const float *l;
+    float temperature, m;
+} weights_ctx;
+
+/* exp(x_v / T - max) of sixteen tokens from i on, 0 past end */
+static inline v16 weights16(const void *ctx, int64_t i, int64_t end) {
+    const weights_ctx *c = ctx;
+    return exp_nonpositive(load16(c->l, i, end, c->temperature) - c->m);
 }
 
 static int sample_row(const float *l, int64_t V, float temperature, float u, int64_t *out) {
@@ -53,44 +65,12 @@ static int sample_row(const float *l, int64_t V, float temperature, float u, int
     if (bad || m == -INFINITY) return -1;
     if (temperature != 1.0f) m /= temperature;
     if (m == INFINITY) return -1; /* a quotient overflowed (T < 1): the largest one did */
-    /* pass 2: the weights' sum by chunk, at most 256 chunks of a multiple of 16 tokens */
-    const int64_t chunk = ((V + 255) / 256 + 15) / 16 * 16;
-    const int64_t nchunks = (V + chunk - 1) / chunk;
-    double sums[256];
-    double total = 0.0;
-    for (int64_t c = 0; c < nchunks; ++c) {
-        const int64_t hi = (c + 1) * chunk < V ? (c + 1) * chunk : V;
-        v16 acc = (v16){0};
-        for (int64_t i = c * chunk; i < hi; i += 16) acc += exp_nonpositive(load16(l, i, hi, temperature) - m);
-        double s = 0.0;
-        for (int k = 0; k < 16; ++k) s += (double)acc[k];
-        sums[c] = s;
-        total += s;
-    }
-    /* the chunk where the target falls, then the token inside it */
-    const double target = (double)u * total;
-    double run = 0.0;
-    int64_t c = 0;
-    while (c < nchunks - 1 && run + sums[c] <= target) run += sums[c++];
-    const int64_t hi = (c + 1) * chunk < V ? (c + 1) * chunk : V;
-    int64_t last = -1;
-    for (int64_t i = c * chunk; i < hi; i += 16) {
-        const v16 w = exp_nonpositive(load16(l, i, hi, temperature) - m);
-        for (int k = 0; k < 16 && i + k < hi; ++k) {
-            if (w[k] > 0.0f) {
-                last = i + k;
-                run += (double)w[k];
-                if (run > target) {
-                    *out = last;
-                    return 0;
-                }
-            }
-        }
-    }
-    /* the chunk sum was taken lane by lane, the scan in order: if rounding leaves the target
-     * just past the scan, the chunk's last weighted token is where the sum crossed it */
-    *out = last;
-    return last < 0 ? -1 : 0;
+    /* pass 2: the weights' sum by chunk; then the chunk where u x total falls, and the token */
+    const weights_ctx ctx = {l, temperature, m};
+    cdf_t cdf;
+    cdf_sums(&cdf, V, weights16, &ctx);
+    *out = cdf_pick(&cdf, (double)u * cdf.total, weights16, &ctx);
+    return *out < 0 ? -1 : 0;
 }
 
 int cbgen_sample_f32(const float *logits, int64_t B, int64_t V, int64_t ld, const float *temperature,
