@@ -254,10 +254,11 @@ def head_bf16(
 PANEL = 32
 """Output columns per packed panel of small_gemm (N must be a multiple)."""
 
-SMALL_GEMM_MAX_ROWS = 128
+SMALL_GEMM_MAX_ROWS = 512
 """Up to this many rows small_gemm beats oneDNN's packed matmul here (measured over a whole
-model's layers from cold caches: 1.6x at 1 row, 1.4x at 8, 1.1x at 29-64, even at 128, 3 %
-slower at 256 and 512)."""
+model's layers from cold caches: 1.6x at 1 row, 1.4x at 8, 1.1-1.2x at 29-512 with 16-row
+tiles, even at 640, 2 % slower at 1024): decode batches and the mixed steps of chunked
+prefill; long prompt chunks go to oneDNN."""
 
 
 HUGE_PAGE = 2 << 20

@@ -1,15 +1,20 @@
 /* Matmul for decode-sized batches on the CPU, float32: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
  *
- * At decode sizes (M up to ~128 rows) a step's matmuls are bound by streaming every weight from
- * memory once, more than by arithmetic. The weight is packed once into panels of 32 output
- * columns, k-major (wp[p][k][j] = W[32 p + j][k]), so a panel is one contiguous run that the
- * hardware prefetcher streams, and the next panel is prefetched into L2 while the first rows of
- * this one are computed. Each panel then stays in L2 while every row block passes over it: a
- * 12 x 32 register tile (24 accumulators of 16 floats) takes one broadcast per row and two
- * panel loads per k. The rows are cut into as few tiles of at most 12 as possible, of equal
- * height (41 rows: 11 + 10 + 10 + 10, not 12 + 12 + 12 + 4 + 1): a short leftover tile has
- * too few independent accumulators to hide the FMA latency and costs nearly a full one.
- * Threads split the panels.
+ * For decode batches and the mixed steps of chunked prefill (M up to a few hundred rows): with few
+ * rows a step's matmuls are bound by streaming every weight from memory once, with more by the
+ * arithmetic, and oneDNN's packed matmul does neither as well. The weight is packed once into
+ * panels of 32 output columns, k-major (wp[p][k][j] = W[32 p + j][k]), so a panel is one contiguous
+ * run that the hardware prefetcher streams, and the next panel is prefetched into L2 while the
+ * first rows of this one are computed. Each panel then stays in L2 while every row block passes
+ * over it: a register tile of up to 16 rows x 32 (two accumulators of 16 floats a row) takes one
+ * broadcast per row and two panel loads per k. Every tile streams the whole panel from L2 again, so
+ * fewer, taller tiles are faster even though 16 rows' 32 accumulators and the two panel vectors
+ * overflow the 32 vector registers: GCC 12 keeps three accumulators in L1 (a load and a store per k
+ * beside 32 FMAs). Measured against tiles of at most 12 (docs/PERFORMANCE.md): 48 rows 3 tiles
+ * instead of 4, 64 rows 4 instead of 6, 2-5 % faster; 20 rows a tile spill too much. The rows are
+ * cut into as few tiles as possible, of equal height (41 rows: 13 + 14 + 14, not 16 + 16 + 9): a
+ * short leftover tile has too few independent accumulators to hide the FMA latency and costs nearly
+ * a full one. Threads split the panels.
  *
  * Each output is one sum over k in order, whatever M is: a row's result does not depend on the
  * other rows in the batch.
@@ -20,6 +25,7 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 
 #define NR 32
+#define MR_MAX 16
 
 void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp) {
 #pragma omp parallel for schedule(static)
@@ -43,7 +49,7 @@ void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp) {
                 __builtin_prefetch(pf + k * NR, 0, 2);                                        \
                 __builtin_prefetch(pf + k * NR + 16, 0, 2);                                   \
             }                                                                                 \
-            for (int r = 0; r < MR; ++r) {                                                    \
+            _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r) {                           \
                 const float xv = x[r * K + k];                                                \
                 a0[r] += xv * b0;                                                             \
                 a1[r] += xv * b1;                                                             \
@@ -62,6 +68,10 @@ void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp) {
         }                                                                                     \
     }
 
+KERNEL(16)
+KERNEL(15)
+KERNEL(14)
+KERNEL(13)
 KERNEL(12)
 KERNEL(11)
 KERNEL(10)
@@ -76,15 +86,16 @@ KERNEL(2)
 KERNEL(1)
 
 typedef void (*kern_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, const float *);
-static const kern_fn KERNS[13] = {0,       kern_1, kern_2, kern_3,  kern_4,  kern_5, kern_6,
-                                  kern_7, kern_8, kern_9, kern_10, kern_11, kern_12};
+static const kern_fn KERNS[MR_MAX + 1] = {0,       kern_1,  kern_2,  kern_3,  kern_4,  kern_5,
+                                          kern_6,  kern_7,  kern_8,  kern_9,  kern_10, kern_11,
+                                          kern_12, kern_13, kern_14, kern_15, kern_16};
 
 /* x [M, K] and y [M, N] contiguous, N a multiple of 32, bias [N] or NULL. */
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                           const float *bias, float *y) {
     const int64_t P = N / NR;
     /* tile t takes rows [m, m + rows): the rows left shared evenly by the tiles left */
-    const int64_t tiles = (M + 11) / 12;
+    const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < P; ++p) {
         const float *panel = wp + p * K * NR;
