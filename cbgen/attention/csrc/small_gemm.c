@@ -10,11 +10,12 @@
  * broadcast per row and two panel loads per k. Every tile streams the whole panel from L2 again, so
  * fewer, taller tiles are faster even though 16 rows' 32 accumulators and the two panel vectors
  * overflow the 32 vector registers: GCC 12 keeps three accumulators in L1 (a load and a store per k
- * beside 32 FMAs). Measured against tiles of at most 12 (docs/PERFORMANCE.md): 48 rows 3 tiles
- * instead of 4, 64 rows 4 instead of 6, 2-5 % faster; 20 rows a tile spill too much. The rows are
- * cut into as few tiles as possible, of equal height (41 rows: 13 + 14 + 14, not 16 + 16 + 9): a
- * short leftover tile has too few independent accumulators to hide the FMA latency and costs nearly
- * a full one. Threads split the panels.
+ * beside 32 FMAs). Measured against tiles of at most 12 (docs/PERFORMANCE.md): 48 rows in 3 tiles
+ * instead of 4, 64 in 4 instead of 6, the matmuls alone 3-7 % faster, a decode step of 40-64
+ * sequences 0.6-2.7 %; with 20 rows a tile the spills cost far more. The rows are cut into as few
+ * tiles as possible, of equal height (41 rows: 13 + 14 + 14, not 16 + 16 + 9): a short leftover
+ * tile has too few independent accumulators to hide the FMA latency and costs nearly a full one.
+ * Threads split the panels.
  *
  * Each output is one sum over k in order, whatever M is: a row's result does not depend on the
  * other rows in the batch.
