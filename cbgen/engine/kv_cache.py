@@ -276,8 +276,8 @@ class KVCacheManager:
         start = i * bs
         if start >= request.num_tokens - 1:
             return None
-        parent = self._hashes(request, i)[i - 1] if i else None
-        parent_id = computed_blocks[-1].block_id if i else None
+        # the last hit's own hash and id are the next block's parent (None: no hit yet)
+        parent, parent_id = (computed_blocks[-1].block_hash, computed_blocks[-1].block_id) if i else (None, None)
         tokens = request.all_token_ids[start : min(start + bs, request.num_tokens - 1)]
         return self.pool.lookup_partial(parent, parent_id, tokens)
 
