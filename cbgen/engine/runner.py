@@ -101,7 +101,10 @@ class ModelRunner:
     def add_request(self, request_id: str, info: NewRequestInfo) -> None:
         self.infos[request_id] = info
         if not info.params.greedy:
-            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(info.seed)
+            # On the host whatever the device: the draws (the sampler's uniform number, the bf16
+            # head's seed) are made there, one per row, so a seeded request draws the same
+            # numbers alone or in any batch. A CUDA generator would refuse a host draw.
+            self.generators[request_id] = torch.Generator(device="cpu").manual_seed(info.seed)
 
     def _drop_row(self, request_id: str) -> None:
         state = self.rows.pop(request_id, None)
@@ -248,4 +251,4 @@ class ModelRunner:
 
 def _draw_seed(generator: torch.Generator | None) -> int:
     """A 62-bit seed for one step's draw through the bf16 head, from the request's generator."""
-    return int(torch.randint(0, 1 << 62, (1,), generator=generator))
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator, device="cpu"))

@@ -28,6 +28,7 @@ class SamplingRow:
     """Prompt + output so far."""
     prompt_len: int
     generator: torch.Generator | None
+    """A host generator: the row's uniform number is drawn on the CPU whatever the logits' device."""
     stop_ids_for_min_tokens: Sequence[int]
     """EOS and stop token ids: masked while fewer than min_tokens exist."""
 
@@ -186,7 +187,7 @@ class Sampler:
             ps = [rows[i].params for i in random_rows]
             dev = logits.device
             temp = torch.tensor([p.temperature for p in ps], device=dev, dtype=sub.dtype)
-            u = torch.cat([torch.rand(1, generator=rows[i].generator) for i in random_rows]).to(dev)
+            u = torch.cat([torch.rand(1, generator=rows[i].generator, device="cpu") for i in random_rows]).to(dev)
             # a row without masks takes the C kernel on the CPU (the same rule, one pass per
             # row); the choice depends on the row alone, so a seeded row draws the same tokens
             # whatever shares its batch
