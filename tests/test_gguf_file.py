@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 
 from cbgen.models.gguf_file import GGUFError, GGUFFile
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (an optional test dependency) is not installed")
 
 
 def _write(path: Path) -> None:
