@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from cbgen.attention import native
-from cbgen.models.llama import Bf16Head, bf16_matmul_fast, onednn_packing_available
+from cbgen.models.llama import Bf16Head, bf16_matmul_fast, bf16_matmul_supported
 
 pytestmark = pytest.mark.skipif(
-    native.load_library() is None or not onednn_packing_available(), reason="no C compiler or oneDNN"
+    native.load_library() is None or not bf16_matmul_supported(), reason="no C compiler or no oneDNN bf16"
 )
 
 
