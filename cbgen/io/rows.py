@@ -27,6 +27,74 @@ OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 # OpenAI body fields with another name here.
 OPENAI_ALIASES = {"max_completion_tokens": "max_tokens"}
 SAMPLING_FIELDS = frozenset(SamplingParams.field_names())
+# OpenAI body fields that change nothing in an offline batch: accepted and ignored.
+OPENAI_NO_EFFECT = frozenset(
+    {
+        "model",
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "stream",
+        "stream_options",
+        "safety_identifier",
+        "prompt_cache_key",
+        "parallel_tool_calls",
+    }
+)
+# Request features cbgen does not implement. A row that asks for one is an error row, in
+# plain rows too (where other extra fields are metadata): silently ignoring it would give an
+# answer the user did not ask for. A field set to null or to its no-op value is not asking.
+UNSUPPORTED_FEATURES = frozenset(
+    {
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "logit_bias",
+        "bad_words",
+        "allowed_token_ids",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "echo",
+        "suffix",
+        "best_of",
+        "use_beam_search",
+        "reasoning_effort",
+        "modalities",
+        "audio",
+        "prediction",
+        "web_search_options",
+        "include_stop_str_in_output",
+        "truncate_prompt_tokens",
+    }
+)
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "prompt_logprobs": (0,),
+    "echo": (False,),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "functions": ([],),
+    "logit_bias": ({},),
+    "bad_words": ([],),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+}
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -170,6 +238,7 @@ def parse_mapping(
         if openai:
             source = _openai_body(obj)
         prompt, messages = _prompt_of(source, spec.prompt_column)
+        _check_fields(source, openai, spec)
         overrides = _overrides(source, openai)
     except RowError as e:
         return InputRow(row, where, row_id, keep=keep, error=f"{where}: {e}")
@@ -280,6 +349,28 @@ def _content(value: Any, name: str) -> str:
             texts.append(part["text"])
         return "".join(texts)
     raise RowError(f"{name}: must be a string, got {_describe(value)}")
+
+
+def _check_fields(source: Mapping[str, Any], openai: bool, spec: ColumnSpec) -> None:
+    """An OpenAI body may hold only what cbgen implements or what has no effect; any row may
+    not ask for a feature cbgen does not implement."""
+    own = {spec.prompt_column, spec.id_column, *spec.keep_columns}
+    for name, value in source.items():
+        if value is None or name in own or value in _NO_OP_VALUES.get(name, ()):
+            continue
+        where = f"body.{name}" if openai else name
+        if name in UNSUPPORTED_FEATURES:
+            raise RowError(f"{where}: cbgen does not implement this request field yet")
+        if openai and not (
+            name in SAMPLING_FIELDS
+            or name in OPENAI_ALIASES
+            or name in OPENAI_NO_EFFECT
+            or name in OPENAI_URLS.values()
+        ):
+            raise RowError(
+                f"{where}: unknown field (cbgen takes {', '.join(sorted(SAMPLING_FIELDS | OPENAI_ALIASES.keys()))}; "
+                f"ignores {', '.join(sorted(OPENAI_NO_EFFECT))})"
+            )
 
 
 def _overrides(source: Mapping[str, Any], openai: bool) -> dict[str, Any]:
