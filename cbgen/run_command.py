@@ -107,14 +107,15 @@ def run(
         ),
     ] = 1,
     max_error_rate: Annotated[
-        float,
+        float | None,
         typer.Option(
             rich_help_panel=RUN_PANEL,
             min=0.0,
             max=1.0,
+            show_default="exit 3 only when every row failed",
             help="Exit with code 3 when more than this fraction of the output rows failed (1.0: never).",
         ),
-    ] = 1.0,
+    ] = None,
     log_interval: Annotated[
         float,
         typer.Option(
@@ -332,14 +333,26 @@ def run(
     """Generate completions for every row of INPUT into a Parquet file.
 
     Rows already in OUTPUT (by id) are skipped, so rerunning the same command resumes after a
-    crash, kill or time limit. Exit codes: 0 done; 1 fatal error or failed worker; 2 bad
-    options; 3 too many failed rows (--max-error-rate); 130/143 interrupted (resumable).
+    crash, kill or time limit; a resume with settings that change outputs is refused. One run
+    at a time holds OUTPUT. Exit codes: 0 done; 1 fatal error or failed worker; 2 bad options;
+    3 too many failed rows (--max-error-rate; by default when every row failed); 4 another run
+    holds OUTPUT; 5 earlier results have other settings; 130/143 interrupted (resumable).
     """
     from cbgen.display import make_display
+    from cbgen.io.identity import SettingsMismatchError
+    from cbgen.io.lock import OutputLockedError
+    from cbgen.io.part import RunPlan
     from cbgen.io.pipeline import StopFlag
     from cbgen.io.readers import InputError
     from cbgen.io.rows import ColumnSpec, RowFilter
-    from cbgen.io.session import EXIT_FATAL, EXIT_USAGE, FatalError, RunPlan, execute
+    from cbgen.io.session import (
+        EXIT_FATAL,
+        EXIT_LOCKED,
+        EXIT_SETTINGS,
+        EXIT_USAGE,
+        FatalError,
+        execute,
+    )
     from cbgen.io.writer import OutputError, OutputLayout
 
     display = make_display(quiet, log_interval)
@@ -412,6 +425,12 @@ def run(
     restore = stop_flag.install()
     try:
         code = execute(plan, display, stop_flag)
+    except OutputLockedError as e:
+        display.stop()
+        _fail(str(e), EXIT_LOCKED)
+    except SettingsMismatchError as e:
+        display.stop()
+        _fail(str(e), EXIT_SETTINGS)
     except (InputError, OutputError, FatalError, ValueError) as e:
         display.stop()
         _fail(str(e), EXIT_FATAL)

@@ -1,11 +1,12 @@
 """One `cbgen run`: check input and output, generate (one engine, or one per worker process),
 fold the finished rows into the final file, write the summary, pick the exit code.
 
-    prepare output ─ open input ─ check earlier results ─┬─ generate_part (one engine)
-                                                         └─ run_data_parallel (N engines)
+    prepare output ─ lock it ─ open input ─ check earlier results and their settings
+    ─┬─ generate_part (one engine)
+     └─ run_data_parallel (N engines)
     ─ interrupted? message, exit 128+signal, rerun resumes
-    ─ worker failed? message, exit 1, rerun resumes
-    ─ finalize (atomic) ─ summary JSON ─ exit 0, or 3 when the error rate is too high
+    ─ worker failed / disk full? message, exit 1, rerun resumes
+    ─ finalize (atomic) ─ summary JSON ─ exit 0, or 3 when too many rows failed
 """
 
 from __future__ import annotations
@@ -13,112 +14,39 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from cbgen.config import EngineConfig, SamplingParams
-from cbgen.display import Display, ProgressSnapshot
-from cbgen.io.pipeline import GenerationLoop, ProgressTracker, StopFlag, count_rows_in_background
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cbgen.display import Display
+from cbgen.io import identity
+from cbgen.io.lock import OutputLock
+from cbgen.io.parallel import run_data_parallel
+from cbgen.io.part import PartResult, RunPlan, generate_part
+from cbgen.io.pipeline import StopFlag
 from cbgen.io.readers import STDIN, InputError, InputSource, open_source
-from cbgen.io.rows import ColumnSpec, RowFilter
 from cbgen.io.schema import output_schema
 from cbgen.io.summary import build_summary, format_summary, table_stats, write_summary
-from cbgen.io.writer import (
-    OutputError,
-    OutputLayout,
-    StagingWriter,
-    check_compatible,
-    finalize,
-    load_done_keys,
-    staging_tag,
-)
+from cbgen.io.writer import OutputError, OutputLayout, check_compatible, finalize, os_error_message
 
 EXIT_OK = 0
 EXIT_FATAL = 1
 EXIT_USAGE = 2
 EXIT_ERROR_RATE = 3
+EXIT_LOCKED = 4
+EXIT_SETTINGS = 5
 
 
 class FatalError(Exception):
     """Ends the run with a one-line message and exit code 1, no traceback."""
 
 
-@dataclass(frozen=True)
-class RunPlan:
-    """Everything one run (and each of its workers) needs; picklable for worker processes."""
-
-    input_path: str
-    columns: ColumnSpec
-    layout: OutputLayout
-    engine_config: EngineConfig
-    defaults: SamplingParams
-    row_filter: RowFilter = field(default_factory=RowFilter)
-    data_parallel_size: int = 1
-    max_error_rate: float = 1.0
-    overwrite: bool = False
-    gpu_ids: tuple[str, ...] = ()
-    """Devices for data-parallel workers on CUDA (worker k gets gpu_ids[k]); empty on the CPU."""
-    settings: dict[str, Any] = field(default_factory=dict)
-    """What the summary records about how the run was started."""
-
-
-@dataclass
-class PartResult:
-    completed: bool
-    stats: dict[str, Any]
-    describe: str = ""
-    snapshot: ProgressSnapshot | None = None
-
-
-def generate_part(
-    plan: RunPlan,
-    row_filter: RowFilter,
-    display: Display,
-    stop: StopFlag,
-    worker: int | None = None,
-    on_ready: Callable[[str, float, int], None] | None = None,
-    on_progress: Callable[[ProgressSnapshot], None] | None = None,
-) -> PartResult:
-    """Load an engine and generate the rows `row_filter` owns into a new staging stream."""
-    from cbgen.engine.engine import Engine
-
-    source = open_source(plan.input_path, plan.columns)
-    schema = output_schema(source.keep_types)
-    engine = Engine(plan.engine_config)
-    done = load_done_keys(plan.layout)
-    if on_ready is not None:
-        on_ready(engine.describe(), engine.init_time_s, len(done))
-    tracker = ProgressTracker(plan.engine_config.max_num_seqs)
-    count_rows_in_background(source, row_filter, tracker)
-    writer = StagingWriter(plan.layout.staging, schema, staging_tag(worker))
-    loop = GenerationLoop(
-        engine,
-        source.rows(row_filter),
-        writer,
-        tracker,
-        display,
-        plan.defaults,
-        done,
-        stop,
-        on_progress=on_progress,
-        input_may_block=source.may_block,
-    )
-    try:
-        completed = loop.run()
-    finally:
-        writer.close()
-    stats = tracker.run_stats()
-    stats["load_s"] = engine.init_time_s
-    return PartResult(completed, stats, engine.describe(), tracker.snapshot())
-
-
 def release_memory() -> None:
     """Hand the memory the engine freed back to the OS before the final copy, so finalizing
     does not stack its buffers on top of the generation phase's peak."""
-    import pyarrow as pa
-
     gc.collect()
     pa.default_memory_pool().release_unused()
     libc = ctypes.util.find_library("c")
@@ -131,9 +59,8 @@ def release_memory() -> None:
 
 
 def execute(plan: RunPlan, display: Display, stop: StopFlag) -> int:
-    """Run to the end and return the exit code; FatalError/InputError/OutputError propagate."""
-    t0 = time.perf_counter()
-    layout = plan.layout
+    """Run to the end and return the exit code. FatalError, InputError, OutputError,
+    OutputLockedError and SettingsMismatchError propagate."""
     if plan.data_parallel_size > 1 and plan.input_path == STDIN:
         raise InputError("--data-parallel-size needs an input file: workers cannot share stdin")
     source: InputSource = open_source(plan.input_path, plan.columns)
@@ -141,16 +68,49 @@ def execute(plan: RunPlan, display: Display, stop: StopFlag) -> int:
         schema = output_schema(source.keep_types)
     except ValueError as e:
         raise InputError(str(e)) from None
+    layout = plan.layout
+    layout.prepare()
+    lock = OutputLock(layout.staging)
+    lock.acquire()  # before anything is changed or loaded; a refused run touches nothing
+    if lock.unsupported:
+        display.message(
+            f"warning: the output's filesystem does not support locks ({lock.unsupported}): "
+            "a second run on the same output would not be stopped"
+        )
+    try:
+        return _locked_run(plan, layout, schema, display, stop)
+    finally:
+        lock.release()
+
+
+def _locked_run(
+    plan: RunPlan, layout: OutputLayout, schema: pa.Schema, display: Display, stop: StopFlag
+) -> int:
+    t0 = time.perf_counter()
+    layout.drop_stale_temps()
     if plan.overwrite:
         layout.clear()
-    layout.prepare()
     try:
         check_compatible(layout, schema)
         # A bad model path fails here, before any loading; this import brings in torch, so it
         # comes after the cheap checks.
         from cbgen.models.loader import resolve_model
 
-        resolve_model(plan.engine_config.model, plan.engine_config.load_format)
+        model = resolve_model(plan.engine_config.model, plan.engine_config.load_format)
+        run_id = identity.run_identity(
+            plan.input_path,
+            plan.columns,
+            plan.engine_config,
+            plan.defaults,
+            model.kind,
+            model.path,
+        )
+        _check_settings(layout, run_id)
+        settings_file = layout.staging / identity.SETTINGS_FILE
+        try:
+            identity.write_settings(settings_file, run_id)
+        except OSError as e:
+            raise OutputError(os_error_message(e, str(settings_file))) from None
     except BaseException:
         layout.discard_empty_staging()
         raise
@@ -158,32 +118,9 @@ def execute(plan: RunPlan, display: Display, stop: StopFlag) -> int:
         display.message(f"resuming: rows already in {layout.final} or {layout.staging} are skipped")
 
     if plan.data_parallel_size > 1:
-        from cbgen.io.parallel import run_data_parallel
-
         result, failures = run_data_parallel(plan, display, stop)
     else:
-
-        def ready(describe: str, load_s: float, done: int) -> None:
-            display.message(describe)
-            if done:
-                display.message(f"{done} output rows already written; skipping them")
-            display.start()
-
-        snap = None
-        try:
-            result = generate_part(plan, plan.row_filter, display, stop, on_ready=ready)
-            snap = result.snapshot
-        except OutputError as e:  # e.g. a full disk: what was flushed before is kept
-            raise OutputError(
-                f"{e}; rows finished before that are kept in {layout.staging}, rerun the same "
-                "command to resume"
-            ) from None
-        except BaseException:
-            layout.discard_empty_staging()  # e.g. the engine could not start: leave no trace
-            raise
-        finally:
-            display.stop(snap)
-        failures = []
+        result, failures = _single(plan, layout, display, stop), []
 
     if failures:  # each was reported as it happened
         layout.discard_empty_staging()
@@ -202,7 +139,7 @@ def execute(plan: RunPlan, display: Display, stop: StopFlag) -> int:
         return stop.exit_code
 
     release_memory()
-    finalize(layout, schema)
+    finalize(layout, schema.with_metadata({identity.METADATA_KEY: json.dumps(run_id)}))
     stats = table_stats(layout.final)
     this_run = dict(result.stats, wall_s=time.perf_counter() - t0)
     settings = dict(plan.settings, engine_description=result.describe)
@@ -210,22 +147,62 @@ def execute(plan: RunPlan, display: Display, stop: StopFlag) -> int:
     write_summary(layout.summary, summary)
     display.message(format_summary(summary))
     display.message(f"summary: {layout.summary}")
-    if summary["error_rate"] > plan.max_error_rate:
+    return _error_rate_exit(summary, plan.max_error_rate, display)
+
+
+def _check_settings(layout: OutputLayout, run_id: dict[str, Any]) -> None:
+    """Earlier results must come from the settings of this run (staging first: it is newer)."""
+    staged = identity.read_settings(layout.staging / identity.SETTINGS_FILE)
+    if staged is not None and layout.has_partial_results():
+        identity.check_resume(staged, run_id, layout.staging)
+    if layout.final.exists():
+        try:
+            metadata = pq.read_schema(layout.final).metadata
+        except (pa.ArrowException, OSError):
+            metadata = None  # check_compatible has already refused an unreadable file
+        identity.check_resume(identity.from_metadata(metadata), run_id, layout.final)
+
+
+def _single(plan: RunPlan, layout: OutputLayout, display: Display, stop: StopFlag) -> PartResult:
+    def ready(describe: str, load_s: float, done: int) -> None:
+        display.message(describe)
+        if done:
+            display.message(f"{done} output rows already written; skipping them")
+        display.start()
+
+    snap = None
+    try:
+        result = generate_part(plan, plan.row_filter, display, stop, on_ready=ready)
+        snap = result.snapshot
+        return result
+    except OutputError as e:  # e.g. a full disk: what was flushed before is kept
+        raise OutputError(
+            f"{e}; rows finished before that are kept in {layout.staging}, rerun the same "
+            "command to resume"
+        ) from None
+    except BaseException:
+        layout.discard_empty_staging()  # e.g. the engine could not start: leave no trace
+        raise
+    finally:
+        display.stop(snap)
+
+
+def _error_rate_exit(
+    summary: dict[str, Any], max_error_rate: float | None, display: Display
+) -> int:
+    """3 when more than max_error_rate of the rows failed; by default, when all of them did."""
+    rate = summary["error_rate"]
+    if max_error_rate is None:
+        if summary["rows"]["output"] and rate == 1.0:
+            display.message(
+                "every row failed (see the error column); exit code 3 "
+                "(--max-error-rate 1.0 to exit 0 anyway)"
+            )
+            return EXIT_ERROR_RATE
+        return EXIT_OK
+    if rate > max_error_rate:
         display.message(
-            f"error rate {100 * summary['error_rate']:.1f}% is above --max-error-rate "
-            f"{100 * plan.max_error_rate:.1f}%"
+            f"error rate {100 * rate:.1f}% is above --max-error-rate {100 * max_error_rate:.1f}%"
         )
         return EXIT_ERROR_RATE
     return EXIT_OK
-
-
-def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Workers' run figures as one: counts add up, times take the slowest worker."""
-    out: dict[str, Any] = {}
-    for p in parts:
-        for k, v in p.items():
-            if k in ("loop_s", "load_s"):
-                out[k] = max(out.get(k, 0.0), v)
-            else:
-                out[k] = out.get(k, 0) + v
-    return out

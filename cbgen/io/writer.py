@@ -8,6 +8,8 @@ Layout (one output; with --shard I/N, OUTPUT is a folder and the names carry the
         run-<time>-<pid>.arrows  run; finished rows are appended as a record batch at most
                                  0.1 s after they finish, so `kill -9` loses only the requests
                                  in flight and the last 0.1 s of finished rows
+        .lock                    the running process's lock (cbgen.io.lock)
+        settings.json            what the rows depend on (cbgen.io.identity)
 
     OUTPUT/part-00003-of-00008.parquet, OUTPUT/_part-00003-of-00008.summary.json and
     OUTPUT/_part-00003-of-00008.partial/ under --shard 3/8 ('_' keeps pyarrow's dataset
@@ -34,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cbgen.io.lock import LOCK_NAME
 from cbgen.io.rows import Shard
 
 STAGING_SUFFIX = ".arrows"
@@ -90,12 +93,8 @@ class OutputLayout:
             shard,
         )
 
-    @property
-    def display_path(self) -> Path:
-        return self.final.parent if self.shard is not None else self.final
-
     def prepare(self) -> None:
-        """Create the folders, prove they are writable, drop temp files of a dead finalize."""
+        """Create the folders and prove they are writable."""
         try:
             self.final.parent.mkdir(parents=True, exist_ok=True)
             self.staging.mkdir(exist_ok=True)
@@ -107,20 +106,31 @@ class OutputLayout:
                 f"output folder {self.final.parent}: {os_error_message(e, 'there')} "
                 f"({type(e).__name__})"
             ) from None
+
+    def drop_stale_temps(self) -> None:
+        """Remove temp files of a finalize that died (only under the lock: a live run's
+        finalize writes one too)."""
         for stale in self.final.parent.glob(f".{self.final.name}.tmp-*"):
             stale.unlink(missing_ok=True)
 
     def discard_empty_staging(self) -> None:
-        """Remove the staging folder if nothing was ever written to it (a run that failed at
-        start-up leaves no trace)."""
-        if self.staging.is_dir() and not any(self.staging.iterdir()):
-            self.staging.rmdir()
+        """Remove the staging folder if no rows were ever written to it (a run that failed at
+        start-up leaves no trace; its lock and settings files go with it)."""
+        if self.staging.is_dir() and not any(
+            p.suffix == STAGING_SUFFIX for p in self.staging.iterdir()
+        ):
+            shutil.rmtree(self.staging, ignore_errors=True)
 
     def clear(self) -> None:
-        """Forget earlier results (--overwrite)."""
+        """Forget earlier results (--overwrite); the staging folder and its lock stay."""
         for p in (self.final, self.summary):
             p.unlink(missing_ok=True)
-        shutil.rmtree(self.staging, ignore_errors=True)
+        if self.staging.is_dir():
+            for p in self.staging.iterdir():
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.name != LOCK_NAME:
+                    p.unlink(missing_ok=True)
 
     def staging_files(self) -> list[Path]:
         """Oldest first (names start with the run's start time)."""
