@@ -24,7 +24,10 @@ if not torch.cuda.is_available():
 import shutil
 import subprocess
 import sys
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import cbgen_kernels
 import pytest
@@ -255,6 +258,75 @@ def test_write_then_attend_equals_reference_end_to_end() -> None:
         b.query, b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, b.scale
     )
     assert_close(got, want, torch.float32)
+
+
+# ---- no recompiles mid-run ------------------------------------------------------------------
+
+
+class _Recorder:
+    """Stands in for a jit kernel: records the arguments of every launch, then launches it."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        def launch(*args: Any, **constexprs: Any) -> Any:
+            variant = tuple(sorted(constexprs.items()))
+            self.calls.append((variant, dict(zip(self.kernel.arg_names, args, strict=False))))
+            return self.kernel[grid](*args, **constexprs)
+
+        return launch
+
+    def varying_int_args(self) -> set[str]:
+        """Integer arguments that took more than one value within one compiled variant (the
+        same constexprs)."""
+        seen: dict[tuple[Any, ...], dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
+        for variant, args in self.calls:
+            for name, value in args.items():
+                if isinstance(value, int):
+                    seen[variant][name].add(value)
+        return {name for values in seen.values() for name, v in values.items() if len(v) > 1}
+
+    def unspecialised(self) -> set[str]:
+        """The arguments the kernel exempts from Triton's value specialisation."""
+        k = self.kernel
+        names = k.kwargs.get("do_not_specialize") if cbgen_kernels.interpreted() else k.do_not_specialize
+        return {k.arg_names[n] if isinstance(n, int) else n for n in names or ()}
+
+
+def test_arguments_that_change_from_step_to_step_are_not_specialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton compiles a kernel anew for each specialisation of an integer argument (equal to
+    1, divisible by 16); the interpreter cannot count compiles, so record what the launchers
+    pass over the steps of one model shape (sequence counts, token counts and longest contexts,
+    hence block-table widths, all differ) and require that every integer argument whose value
+    changed within one compiled variant is exempt. The results stay right at every width."""
+    from cbgen_kernels import attention, cache
+
+    recorders = {}
+    for module, name in ((attention, "_paged_attention_kernel"), (attention, "_merge_splits_kernel"),
+                         (cache, "_write_kv_kernel")):
+        recorders[name] = _Recorder(getattr(module, name))
+        monkeypatch.setattr(module, name, recorders[name])
+    steps = [([1], [5]), ([1, 1, 1], [40, 3, 70]), ([1] * 5, [15, 16, 17, 200, 1]), ([4, 1], [0, 33]),
+             ([9, 1, 1], [100, 0, 47])]
+    for i, (query_lens, context_lens) in enumerate(steps):
+        b = make_batch(query_lens, context_lens, seed=20 + i)
+        args = (b.query, b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, b.scale)
+        assert_close(cbgen_kernels.paged_attention(*args), reference(b), torch.float32)
+        if max(query_lens) == 1:
+            assert_close(cbgen_kernels.paged_attention_split_kv(*args, num_splits=3), reference(b), torch.float32)
+        kv = b.query[:, :2]  # [T, 2 KV heads, 64], strided like the model's views
+        slots = torch.arange(kv.shape[0], device=DEVICE) * 3
+        want = b.kv_cache.clone()
+        ref.write_kv_cache(kv, kv, want, slots)
+        cbgen_kernels.write_kv_cache(kv, kv, b.kv_cache, slots)
+        assert torch.equal(b.kv_cache, want)
+    attention_varying = recorders["_paged_attention_kernel"].varying_int_args()
+    assert {"num_seqs", "stride_block_table", "stride_out_split", "stride_lse_split"} <= attention_varying
+    for name, rec in recorders.items():
+        assert rec.calls, name
+        assert rec.varying_int_args() <= rec.unspecialised(), name
 
 
 # ---- launch policy (pure functions) ------------------------------------------------------

@@ -48,7 +48,16 @@ MASKED = tl.constexpr(-1.0e30)
 that the visibility mask zeroes, never inf - inf."""
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+# Triton compiles a kernel anew for each specialisation of its integer arguments (equal to 1,
+# divisible by 16). Those that change from step to step of one model must be exempt, or a run
+# recompiles whenever they cross one of those lines: the batch's sequence count, the block
+# table's width (it follows the longest context) and the split workspace's strides (they follow
+# the step's token count). Strides fixed by the model's shape stay specialised.
+STEP_DEPENDENT_ARGS = ("num_seqs", "stride_out_split", "stride_lse_split", "stride_block_table")
+MERGE_STEP_DEPENDENT_ARGS = ("stride_part_split", "stride_lse_split")
+
+
+@triton.jit(do_not_specialize=STEP_DEPENDENT_ARGS)
 def _paged_attention_kernel(
     q_ptr,
     key_cache_ptr,
@@ -186,7 +195,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MERGE_STEP_DEPENDENT_ARGS)
 def _merge_splits_kernel(
     part_ptr,
     lse_ptr,
