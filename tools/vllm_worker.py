@@ -1,7 +1,8 @@
 """Peer worker: the workload through vLLM's CPU build (run with the vLLM venv's python).
 
 vLLM pins its own torch, so it lives in a separate venv (docs/PERFORMANCE.md says how to
-build it); compare_peers.py starts this file with that venv's interpreter. The environment
+build it); compare_peers starts this module with that venv's interpreter, from a folder that
+holds only a link to this package (see compare_peers.vllm_launch_dir). The environment
 that matters is set by the caller before start-up (VLLM_CPU_OMP_THREADS_BIND, which cores
 the OpenMP threads bind to; VLLM_CPU_KVCACHE_SPACE, the KV cache in GiB).
 
@@ -15,7 +16,7 @@ import os
 import tempfile
 import time
 
-from peer_common import (
+from tools.peer_common import (
     PROCESS_START,
     Result,
     TimedWindow,
@@ -33,8 +34,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     args = p.parse_args()
     # vLLM inspects the model in a `python -m` subprocess, which puts the working directory
-    # first on sys.path: started from the repo root, the repo's own `kernels/` folder would
-    # shadow the PyPI package `kernels` that vLLM and transformers probe. Run from elsewhere.
+    # first on sys.path: from the repo root, the repo's own `kernels/` folder would shadow the
+    # PyPI package `kernels` that vLLM and transformers probe. Run from elsewhere.
     for name in ("workload", "model", "out"):
         setattr(args, name, os.path.abspath(getattr(args, name)))
     os.chdir(tempfile.gettempdir())

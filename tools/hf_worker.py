@@ -14,12 +14,14 @@ Modes:
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from peer_common import (
+from tools.peer_common import (
     PROCESS_START,
     Result,
     TimedWindow,
@@ -42,7 +44,7 @@ def convert(gguf_file: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
     )
     model.hf_quantizer = None
@@ -54,37 +56,48 @@ def convert(gguf_file: Path, out_dir: Path) -> None:
     tmp.rename(out_dir)  # the folder appears complete or not at all
 
 
-def load_model(path: str) -> tuple[object, object]:
+def load_model(path: str) -> Any:
+    """The model in fp32 with sdpa attention; the workload is token ids, so no tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="sdpa"
     )
     model.eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    return model
 
 
-def run_static(args: object, result: Result) -> None:
+def pad_token_id(config: Any) -> int:
+    """The id that fills the left padding (masked out, so any id works): the model's pad
+    token, else its (first) EOS token, else 0."""
+    for tid in (config.pad_token_id, config.eos_token_id):
+        if isinstance(tid, list):
+            tid = tid[0] if tid else None
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def run_static(args: argparse.Namespace, result: Result) -> None:
     import torch
 
-    items = load_workload(args.workload)  # type: ignore[attr-defined]
-    model, tok = load_model(args.model)  # type: ignore[attr-defined]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    bs = args.batch_size  # type: ignore[attr-defined]
+    items = load_workload(args.workload)
+    model = load_model(args.model)
+    pad = pad_token_id(model.config)
+    bs = args.batch_size
 
     def generate(batch: list[list[int]], new_tokens: int) -> torch.Tensor:
         width = max(len(p) for p in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, p in enumerate(
-            batch
-        ):  # left padding: the last column is every row's last prompt token
+        # Left padding: the last column is every row's last prompt token.
+        for row, p in enumerate(batch):
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
         with torch.inference_mode():
-            out = model.generate(  # type: ignore[attr-defined]
+            out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=new_tokens,
@@ -119,12 +132,12 @@ def run_static(args: object, result: Result) -> None:
     result.detail = f"generate, static batches of {bs}, sdpa, fp32, left padding"
 
 
-def run_cb(args: object, result: Result) -> None:
+def run_cb(args: argparse.Namespace, result: Result) -> None:
     import torch
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    items = load_workload(args.workload)  # type: ignore[attr-defined]
-    model, _ = load_model(args.model)  # type: ignore[attr-defined]
+    items = load_workload(args.workload)
+    model = load_model(args.model)
     longest_seq = max(len(it.prompt_token_ids) + it.output_len for it in items)
     # Paged cache sized for every request at once (page_size tokens per block, all layers).
     page = 256
@@ -132,8 +145,8 @@ def run_cb(args: object, result: Result) -> None:
     cb_config = ContinuousBatchingConfig(
         page_size=page,
         num_blocks=blocks,
-        max_batch_tokens=args.max_num_batched_tokens,  # type: ignore[attr-defined]
-        max_requests_per_batch=args.max_num_seqs,  # type: ignore[attr-defined]
+        max_batch_tokens=args.max_num_batched_tokens,
+        max_requests_per_batch=args.max_num_seqs,
         auto_switch_to_flash=False,
     )
     gen = GenerationConfig(
@@ -142,7 +155,7 @@ def run_cb(args: object, result: Result) -> None:
     outputs: dict[str, list[int]] = {}
     with (
         torch.inference_mode(),
-        model.continuous_batching_context_manager(  # type: ignore[attr-defined]
+        model.continuous_batching_context_manager(
             generation_config=gen, continuous_batching_config=cb_config, block=True, timeout=30
         ) as manager,
     ):
@@ -173,8 +186,8 @@ def run_cb(args: object, result: Result) -> None:
     result.prompt_tokens = sum(len(it.prompt_token_ids) for it in items)
     result.output_tokens = sum(it.output_len for it in items)
     result.detail = (
-        f"ContinuousBatchingManager, {model.config._attn_implementation} attention, "  # type: ignore[attr-defined]
-        f"{blocks} blocks x {page} tokens, max_batch_tokens {args.max_num_batched_tokens}, fp32"  # type: ignore[attr-defined]
+        f"ContinuousBatchingManager, {model.config._attn_implementation} attention, "
+        f"{blocks} blocks x {page} tokens, max_batch_tokens {args.max_num_batched_tokens}, fp32"
     )
 
 

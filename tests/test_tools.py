@@ -1,0 +1,143 @@
+"""The measurement tools of `tools/` on tiny random-weight models: the step profiler, and the
+peer comparison end to end (ShareGPT sampling, the matmul peak, and each worker in its own
+process), so that a change to the engine's API cannot leave them broken unnoticed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cbgen.engine.outputs import StepStats
+from tools import compare_peers, profile_step
+from tools.cbgen_worker import flop_summary
+
+TINY_LLAMA_SMOLLM2_VOCAB = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def peer_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-layer llama with SmolLM2's vocabulary and tokenizer (chat template included), in
+    random weights saved by transformers: the folder every peer reads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cbgen.models.loader import load_tokenizer, resolve_model
+
+    folder = tmp_path_factory.mktemp("tiny-peer-model")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("llama", **TINY_LLAMA_SMOLLM2_VOCAB), dtype=torch.float32
+    )
+    with torch.no_grad():  # large weights: logits far apart, so greedy is well defined
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    load_tokenizer(resolve_model(None)).save_pretrained(folder)
+    return folder
+
+
+def test_profile_step_profiles_the_steps_of_a_tiny_run(capsys: pytest.CaptureFixture[str]) -> None:
+    profile_step.main(
+        [
+            "--model", "tiny-llama", "--load-format", "dummy", "--num-threads", "1",
+            "--num", "2", "--prompt", "8", "--output", "3", "--max-num-seqs", "2",
+            "--kv-cache-memory", str(1 << 20), "--cprofile", "--profile-after", "1", "--profile-steps", "5",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    # One step prefills both prompts (and samples their first tokens), two more decode both:
+    # the run ends inside the profiling window, which then covers the two decode steps.
+    assert "profiled 2 steps (4 decode tokens)" in out
+    assert "function calls" in out  # cProfile's table
+    assert re.search(r"steps 3 prompt \d+ out 6 ", out)
+    assert "full decode step median" in out and "(2 steps)" in out
+
+
+def test_profile_step_rejects_two_profilers() -> None:
+    with pytest.raises(SystemExit):
+        profile_step.parse_args(["--torch-profile", "--cprofile"])
+
+
+def step(prefill: int, decode: int, scheduled: int, duration_s: float) -> StepStats:
+    return StepStats(
+        time=0.0, duration_s=duration_s, num_scheduled=scheduled, num_running=scheduled,
+        num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_total=1, num_preempted=0,
+        total_preemptions=0, num_prefill_tokens=prefill, num_decode_tokens=decode, num_cached_tokens=0,
+    )  # fmt: skip
+
+
+def test_flop_summary_counts_full_batch_and_decode_only_steps() -> None:
+    steps = [step(100, 4, 4, 1.0), step(0, 4, 4, 0.5), step(0, 4, 4, 0.25), step(0, 3, 3, 0.125)]
+    s = flop_summary(steps, non_embedding_params=10, lm_head_params=5, max_num_seqs=4)
+    assert (s["full_batch_tokens"], s["full_batch_steps_s"]) == (8, 0.75)
+    assert (s["decode_tokens"], s["decode_steps_s"], s["num_decode_steps"]) == (11, 0.875, 3)
+    assert s["full_batch_flops"] == 8 * 2 * (10 + 5)
+    assert (s["computed_tokens"], s["flops_body"]) == (115, 115 * 2 * 10)
+
+
+def run_compare_peers(tmp_path: Path, model_dir: Path, systems: str, *extra: str) -> dict:
+    compare_peers.main(
+        [
+            "--systems", systems, "--model-dir", str(model_dir), "--cbgen-model", str(model_dir),
+            "--num-requests", "3", "--max-prompt-len", "48", "--max-output-len", "5",
+            "--max-num-seqs", "4", "--static-batch-size", "2", "--peak-seconds", "0.1",
+            "--quiet-timeout", "0", "--worker-timeout", "300", "--keep", str(tmp_path), *extra,
+        ]
+    )  # fmt: skip
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_compare_peers_runs_cbgen_and_both_transformers_modes_on_sharegpt(
+    peer_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    summary = run_compare_peers(tmp_path, peer_model_dir, "cbgen,hf-static,hf-cb,vllm")
+    out = capsys.readouterr().out
+    w = summary["workload"]
+    assert w["requests"] == 3 and 0 < w["output_tokens"] <= 15 and w["prompt_tokens"] > 3 * 20
+    runs = summary["runs"]
+    for key in ("cbgen", "hf-static", "hf-cb"):
+        assert runs[key]["ok"], (
+            key,
+            runs[key].get("error"),
+            (tmp_path / f"{key}.log").read_text()[-3000:],
+        )
+        assert (runs[key]["prompt_tokens"], runs[key]["output_tokens"]) == (
+            w["prompt_tokens"],
+            w["output_tokens"],
+        )
+    assert runs["vllm"] == {"ok": False, "error": "no --vllm-python given"}
+    assert "| vLLM CPU build | skipped: no --vllm-python given |" in out
+    # Every prompt token is computed or comes from the prefix cache (the chat template's system
+    # prompt); each request's first output token comes with its prompt, the others decode.
+    cb = runs["cbgen"]["extra"]
+    assert cb["cached_tokens"] > 0
+    assert (
+        cb["computed_tokens"] + cb["cached_tokens"] == w["prompt_tokens"] + w["output_tokens"] - 3
+    )
+    assert summary["peak"]["gflops"] > 0
+    # Same weights, greedy, fp32: every system produces cbgen's tokens.
+    assert "transformers generate, static B=2 3/3" in out
+    assert "transformers continuous batching (sdpa, paged) 3/3" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_compare_peers_runs_vllm(
+    peer_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    summary = run_compare_peers(
+        tmp_path, peer_model_dir, "cbgen,vllm", "--vllm-python", sys.executable
+    )
+    vllm = summary["runs"]["vllm"]
+    assert vllm["ok"], (vllm.get("error"), (tmp_path / "vllm.log").read_text()[-3000:])
+    assert vllm["output_tokens"] == summary["workload"]["output_tokens"]
+    assert "vLLM CPU build 3/3" in capsys.readouterr().out
