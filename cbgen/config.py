@@ -11,13 +11,13 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
-AttentionBackendName = Literal["auto", "torch", "triton", "flash"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
 LoadFormat = Literal["auto", "dummy"]
 SchedulingPolicy = Literal["continuous", "static"]
 
@@ -54,7 +54,8 @@ class EngineConfig:
     device: Device = "auto"
     """auto picks CUDA when available."""
     attention_backend: AttentionBackendName = "auto"
-    """auto: flash when vllm_flash_attn imports, else triton on CUDA, else torch."""
+    """auto: flash when vllm_flash_attn imports, else triton on CUDA; cpu on the CPU (the C
+    kernels). torch is the plain reference, on any device."""
     load_format: LoadFormat = "auto"
     """dummy: random weights for the model's shape (benchmarks without weights)."""
     seed: int = 0
@@ -107,7 +108,7 @@ class EngineConfig:
         )
         _choice(self.dtype, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _choice(self.device, "device", ("auto", "cpu", "cuda"))
-        _choice(self.attention_backend, "attention_backend", ("auto", "torch", "triton", "flash"))
+        _choice(self.attention_backend, "attention_backend", get_args(AttentionBackendName))
         _choice(self.load_format, "load_format", ("auto", "dummy"))
         _choice(self.scheduling_policy, "scheduling_policy", ("continuous", "static"))
         _check(

@@ -25,7 +25,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-from cbgen.attention.backend import flash_available, triton_available
+from cbgen.attention.flash_backend import flash_available
+from cbgen.attention.triton_backend import triton_available
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
 

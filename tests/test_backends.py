@@ -1,7 +1,7 @@
-"""Attention backends: selection (with fakes for a missing flash / CUDA / triton), the triton
-backend inside a full Engine on the CPU (Triton interpreter) against the torch backend, the
-flash backend's call into a fake vllm_flash_attn, and the profiling pass that sizes the KV
-cache on CUDA.
+"""Attention backends: selection (with fakes for a missing flash / CUDA / triton), the cpu and
+triton backends inside a full Engine on the CPU (triton under the Triton interpreter) against
+the torch reference, the flash backend's call into a fake vllm_flash_attn, and the profiling
+pass that sizes the KV cache on CUDA.
 
 TRITON_INTERPRET=1 is set before triton is first imported (see tests/test_kernels.py).
 """
@@ -24,8 +24,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cbgen.attention import AttentionMetadata, backend, torch_backend
-from cbgen.attention.backend import get_attention_backend, resolve_backend_name
+from cbgen.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    flash_backend,
+    select,
+    torch_backend,
+    triton_backend,
+)
+from cbgen.attention.select import get_attention_backend, resolve_backend_name
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.profile import (
@@ -48,17 +55,17 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
     """Pretend flash / triton are (not) importable and the kernels are (not) interpreted."""
 
     def set_world(flash: bool, triton: bool = True, interpreted: bool = True) -> None:
-        monkeypatch.setattr(backend, "flash_available", lambda: "vllm_flash_attn" if flash else None)
-        monkeypatch.setattr(backend, "triton_available", lambda: triton)
-        monkeypatch.setattr(backend, "triton_interpreted", lambda: interpreted)
+        monkeypatch.setattr(select, "flash_available", lambda: "vllm_flash_attn" if flash else None)
+        monkeypatch.setattr(select, "triton_available", lambda: triton)
+        monkeypatch.setattr(select, "triton_interpreted", lambda: interpreted)
 
     return set_world
 
 
-def test_auto_without_cuda_is_torch_whatever_is_installed(world: Callable[..., None]) -> None:
+def test_auto_on_the_cpu_is_cpu_whatever_is_installed(world: Callable[..., None]) -> None:
     world(flash=True, triton=True)
-    assert resolve_backend_name("auto", CPU) == "torch"
-    assert resolve_backend_name("auto", CPU, torch.bfloat16, 16) == "torch"
+    assert resolve_backend_name("auto", CPU) == "cpu"
+    assert resolve_backend_name("auto", CPU, torch.bfloat16, 16) == "cpu"
 
 
 def test_auto_on_cuda_prefers_flash_then_triton_then_torch(world: Callable[..., None]) -> None:
@@ -96,6 +103,10 @@ def test_explicit_choices_that_cannot_run_say_why(world: Callable[..., None]) ->
     world(flash=False, triton=True, interpreted=True)
     assert resolve_backend_name("triton", CPU) == "triton"
     assert resolve_backend_name("torch", CUDA) == "torch"
+    assert resolve_backend_name("torch", CPU) == "torch"
+    assert resolve_backend_name("cpu", CPU) == "cpu"
+    with pytest.raises(ValueError, match="cpu runs on the CPU, not cuda"):
+        resolve_backend_name("cpu", CUDA)
     with pytest.raises(ValueError, match="unknown backend"):
         resolve_backend_name("xformers", CUDA)
 
@@ -103,26 +114,28 @@ def test_explicit_choices_that_cannot_run_say_why(world: Callable[..., None]) ->
 def test_flash_available_probes_both_module_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("vllm_flash_attn", "vllm", "vllm.vllm_flash_attn"):
         monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: import fails
-    assert backend.flash_available() is None
+    assert flash_backend.flash_available() is None
     fake = types.ModuleType("vllm.vllm_flash_attn")
     fake.flash_attn_varlen_func = lambda **kw: None  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fake)
-    assert backend.flash_available() == "vllm.vllm_flash_attn"
+    assert flash_backend.flash_available() == "vllm.vllm_flash_attn"
     no_func = types.ModuleType("vllm_flash_attn")
     monkeypatch.setitem(sys.modules, "vllm_flash_attn", no_func)
-    assert backend.flash_available() == "vllm.vllm_flash_attn"  # the standalone one lacks the function
+    assert flash_backend.flash_available() == "vllm.vllm_flash_attn"  # the standalone one lacks the function
 
 
 def test_triton_probes_see_a_missing_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert backend.triton_available()
+    assert triton_backend.triton_available()
     monkeypatch.setitem(sys.modules, "triton", None)
-    assert not backend.triton_available()
+    assert not triton_backend.triton_available()
 
 
 def test_get_attention_backend_builds_each_backend(world: Callable[..., None]) -> None:
     world(flash=False)
     assert get_attention_backend("torch", CPU).name == "torch"
+    assert get_attention_backend("cpu", CPU).name == "cpu"
+    assert get_attention_backend("auto", CPU).name == "cpu"
     assert get_attention_backend("triton", CPU).name == "triton"  # interpreter (this module)
 
 
@@ -234,6 +247,56 @@ def test_flash_backend_refuses_what_its_kernels_cannot_take(monkeypatch: pytest.
         FlashAttentionBackend()
 
 
+# ---- the cpu backend against the torch reference ------------------------------------------------
+
+
+def _run_backend(be: AttentionBackend, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """prepare + forward of one backend on the mixed batch: (its output, the cache after)."""
+    meta, query, key, value = _mixed_meta()
+    cache = torch.randn(2, 6, 16, 2, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    be.prepare(meta)
+    out = be.forward(query.to(dtype), key.to(dtype), value.to(dtype), cache, meta, 0.2)
+    return out, cache
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_cpu_backend_matches_the_torch_reference(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode, a chunk after cached context and a fresh prompt: float32 through the C kernels
+    (or, without them, the torch path, to the bit); bfloat16, which the kernels do not take,
+    through the torch path either way."""
+    from cbgen.attention import native
+    from cbgen.attention.cpu_backend import CpuAttentionBackend
+
+    if not kernels:
+        monkeypatch.setattr(native, "load_library", lambda: None)
+    elif native.load_library() is None:
+        pytest.skip("no C compiler: no kernels")
+    answered = []
+    decode = native.paged_decode_f32
+    monkeypatch.setattr(native, "paged_decode_f32", lambda *a: answered.append(o := decode(*a)) or o)
+    for dtype in (torch.float32, torch.bfloat16):
+        want, want_cache = _run_backend(torch_backend.TorchAttentionBackend(), dtype)
+        answered.clear()
+        got, got_cache = _run_backend(CpuAttentionBackend(), dtype)
+        assert torch.equal(got_cache, want_cache)
+        if kernels and dtype == torch.float32:
+            # every token (the small chunks too) in one call of the decode kernel
+            assert len(answered) == 1 and answered[0] is not None and answered[0].shape == (10, 8, 32)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert all(o is None for o in answered)
+            assert torch.equal(got, want)
+
+
+def test_cpu_backend_refuses_tensors_off_the_cpu() -> None:
+    from cbgen.attention.cpu_backend import CpuAttentionBackend
+
+    meta, *_ = _mixed_meta()
+    meta.block_table = meta.block_table.to("meta")
+    with pytest.raises(ValueError, match="cpu runs on the CPU, not meta"):
+        CpuAttentionBackend().prepare(meta)
+
+
 # ---- the triton backend in a full engine (CPU: Triton interpreter) -----------------------------
 
 PROMPTS = [
@@ -250,19 +313,21 @@ def _greedy(engine: Engine) -> list[list[int]]:
     return [o.output_token_ids for o in outs]
 
 
-def test_triton_engine_greedy_matches_torch_engine(tiny_model_dir: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+def test_engine_greedy_matches_the_torch_reference(name: str, tiny_model_dir: Callable[[str], Path]) -> None:
     """Same weights (tiny Llama, GQA 4:2), same prompts, chunked prefill (chunks of 8 tokens
-    over cached context) and 4-token blocks (many block crossings): the triton backend under
-    the interpreter gives the torch backend's greedy tokens."""
+    over cached context) and 4-token blocks (many block crossings): the cpu backend (its C
+    kernels, or the torch path where there is no compiler) and the triton backend under the
+    interpreter give the torch reference's greedy tokens."""
     cfg = EngineConfig(
         model=str(tiny_model_dir("llama")), device="cpu", dtype="float32", kv_cache_memory=4 << 20,
         block_size=4, max_num_batched_tokens=8, attention_backend="torch",
     )
     torch_engine = Engine(cfg)
     want = _greedy(torch_engine)
-    triton_engine = Engine(cfg.replace(attention_backend="triton"), share_weights_with=torch_engine)
-    assert triton_engine.backend.name == "triton"
-    assert _greedy(triton_engine) == want
+    engine = Engine(cfg.replace(attention_backend=name), share_weights_with=torch_engine)
+    assert engine.backend.name == name
+    assert _greedy(engine) == want
 
 
 def test_triton_engine_split_kv_decodes_match_torch(tiny_model_dir: Callable[[str], Path]) -> None:
@@ -341,7 +406,7 @@ cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_cuda_engine_greedy_matches_torch(name: str, tiny_model_dir: Callable[[str], Path]) -> None:
     """float32 for exact greedy agreement (triton, ieee dots); bfloat16 for flash, which takes
     no float32, compared against the torch backend in bfloat16."""
-    if name == "flash" and backend.flash_available() is None:
+    if name == "flash" and flash_backend.flash_available() is None:
         pytest.skip("vllm_flash_attn does not import here")
     dtype = "float32" if name == "triton" else "bfloat16"
     cfg = EngineConfig(model=str(tiny_model_dir("llama")), device="cuda", dtype=dtype, kv_cache_memory=64 << 20,
@@ -355,7 +420,7 @@ def test_cuda_engine_greedy_matches_torch(name: str, tiny_model_dir: Callable[[s
 @pytest.mark.cuda
 @cuda
 def test_cuda_flash_backend_matches_reference() -> None:
-    if backend.flash_available() is None:
+    if flash_backend.flash_available() is None:
         pytest.skip("vllm_flash_attn does not import here")
     from cbgen.attention.flash_backend import FlashAttentionBackend
 

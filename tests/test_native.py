@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbgen.attention import native, torch_backend
+from cbgen.attention import cpu_backend, native, torch_backend
 from cbgen.models.llama import RMSNorm, apply_rope
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler")
@@ -73,7 +73,7 @@ def test_paged_decode_matches_the_torch_reference(
 
 def test_paged_decode_refuses_shapes_it_cannot_hold_and_attend_falls_back() -> None:
     """More query heads per KV head than the kernel's group limit: the kernel says no (None)
-    instead of writing nothing, and the backend answers through the torch path."""
+    instead of writing nothing, and the cpu backend answers through the torch path."""
     torch.manual_seed(8)
     batch, hkv, group, d, bs = 3, 1, 17, 64, 16
     kv = torch.randn(2, 12, bs, hkv, d)
@@ -82,8 +82,8 @@ def test_paged_decode_refuses_shapes_it_cannot_hold_and_attend_falls_back() -> N
     q = torch.randn(batch, hkv * group, d)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     assert native.paged_decode_f32(q, kv, block_table, seq_lens, 0.125) is None
-    plan = torch_backend.plan_attention(block_table, qsl, seq_lens, bs, native=True)
-    got = torch_backend.attend(q, kv, plan, 0.125, native=True)
+    plan = cpu_backend.plan_attention(block_table, qsl, seq_lens, bs)
+    got = cpu_backend.attend(q, kv, plan, 0.125)
     want = torch_backend.paged_attention(q, kv, block_table, qsl, seq_lens, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
@@ -212,25 +212,25 @@ def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
 
 
 def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
-    """Decodes, small prefill chunks (with and without cached context: the C decode kernel,
-    one query token at a time) and chunks too large for it (the C prefill kernel, with and
-    without cached context) in one flat batch, against the pure-torch path (SDPA); the large
-    chunks also against a float64 softmax written out."""
+    """The cpu backend's attention: decodes, small prefill chunks (with and without cached
+    context: the C decode kernel, one query token at a time) and chunks too large for it (the
+    C prefill kernel, with and without cached context) in one flat batch, against the torch
+    reference (SDPA); the large chunks also against a float64 softmax written out."""
     torch.manual_seed(4)
     bs, hkv, group, d, num_blocks = 16, 2, 3, 64, 96
     kv = torch.randn(2, num_blocks, bs, hkv, d)
     # (query_len, seq_len): decode, small first chunk, small chunk after context, big chunk
     # after context, big first chunk, decode
     shape = [(1, 40), (12, 12), (9, 70), (150, 230), (140, 140), (1, 3)]
-    assert 140 * (140 - 70) > torch_backend.NATIVE_PREFILL_ROWS > 9 * (70 - 4.5)
+    assert 140 * (140 - 70) > cpu_backend.NATIVE_PREFILL_ROWS > 9 * (70 - 4.5)
     qsl = torch.tensor([0] + [q for q, _ in shape], dtype=torch.int32).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([s for _, s in shape], dtype=torch.int32)
     block_table = torch.randperm(num_blocks)[: 6 * 15].view(6, 15).int()
     q = torch.randn(int(qsl[-1]), hkv * group, d)
-    plan = torch_backend.plan_attention(block_table, qsl, seq_lens, bs, native=True)
-    assert plan.native is not None and len(plan.native.prefills) == 2
+    plan = cpu_backend.plan_attention(block_table, qsl, seq_lens, bs)
+    assert len(plan.native.prefills) == 2
     assert plan.native.tokens.shape[0] == int(qsl[-1]) - 150 - 140
-    got = torch_backend.attend(q, kv, plan, 0.125, native=True)
+    got = cpu_backend.attend(q, kv, plan, 0.125)
     want = torch_backend.attend(q, kv, torch_backend.plan_attention(block_table, qsl, seq_lens, bs), 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for i in (3, 4):
@@ -239,10 +239,10 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
         exact = _causal_reference(q[start : start + qlen], keys[0], keys[1], 0.125)
         torch.testing.assert_close(got[start : start + qlen].double(), exact, rtol=1e-5, atol=1e-5)
     # every token through the kernel: the result comes straight back from it
-    small = torch_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs, native=True)
+    small = cpu_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs)
     n = int(qsl[3])
-    assert small.native is not None and small.native.tokens.tolist() == list(range(n))
-    got = torch_backend.attend(q[:n], kv, small, 0.125, native=True)
+    assert small.native.tokens.tolist() == list(range(n))
+    got = cpu_backend.attend(q[:n], kv, small, 0.125)
     want = torch_backend.attend(q[:n], kv, torch_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs), 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

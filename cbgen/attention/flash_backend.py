@@ -20,7 +20,30 @@ from typing import Any
 import torch
 
 from cbgen.attention import torch_backend
-from cbgen.attention.backend import AttentionBackend, AttentionMetadata, flash_available, flash_fits
+from cbgen.attention.base import AttentionBackend, AttentionMetadata
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_available() -> str | None:
+    """The module path of an importable vllm_flash_attn, or None."""
+    for name in ("vllm_flash_attn", "vllm.vllm_flash_attn"):
+        try:
+            mod = importlib.import_module(name)
+        except Exception:
+            continue
+        if hasattr(mod, "flash_attn_varlen_func"):
+            return name
+    return None
+
+
+def flash_fits(dtype: torch.dtype | None, block_size: int | None) -> str | None:
+    """Why the flash kernels cannot take this dtype or block size (None: they can, or unknown)."""
+    if dtype is not None and dtype not in FLASH_DTYPES:
+        return f"flash runs float16 and bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if block_size is not None and block_size % 16:
+        return f"flash needs a block_size that is a multiple of 16, not {block_size}"
+    return None
 
 
 def _pick_fa_version(module: Any, varlen: Callable[..., Any]) -> int | None:

@@ -11,15 +11,35 @@ per step, by the first layer, and reused by the others:
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from cbgen.attention.backend import AttentionBackend, AttentionMetadata
+from cbgen.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
     from cbgen_kernels import SplitWorkspace
+
+
+def triton_available() -> bool:
+    """Whether triton imports (it is an optional dependency)."""
+    try:
+        importlib.import_module("triton")
+    except Exception:
+        return False
+    return True
+
+
+def triton_interpreted() -> bool:
+    """True when cbgen_kernels was built for the Triton interpreter (TRITON_INTERPRET=1 was set
+    before triton was first imported), so the kernels run on CPU tensors."""
+    try:
+        kernels = importlib.import_module("cbgen_kernels")
+    except Exception:
+        return False
+    return bool(kernels.interpreted())
 
 
 @dataclass

@@ -1,0 +1,59 @@
+"""The attention backend contract and the per-step metadata every backend reads.
+
+Every backend does the same two things, in two calls:
+
+    prepare(meta)   once per step, before the first layer: index work that every layer
+                    shares, kept in meta.state
+    forward(...)    once per layer: write the new K/V at meta.slot_mapping, then attend every
+                    query token to its sequence's cached context, causal inside its own chunk
+
+The index layout of the flat batch and of the paged cache is drawn in torch_backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """The flat batch as attention sees it (see torch_backend for the index layout)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, context + new tokens
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    state: Any = None
+    """Backend-specific index work, built once per step by AttentionBackend.prepare."""
+
+
+class AttentionBackend(ABC):
+    """One attention implementation behind the contract in the module docstring."""
+
+    name: str
+    """What --attention-backend calls it."""
+
+    @abstractmethod
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build this step's shared index work into meta.state."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write key, value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at
+        meta.slot_mapping (negative slots skipped), then return the attention of query
+        [T, H, D] over the cache: [T, H, D]."""

@@ -1,0 +1,156 @@
+"""The cpu attention backend: the torch reference's plan, with the C kernels of
+cbgen.attention.native doing the work in float32 (the auto choice on the CPU).
+
+    new K/V             native.write_kv_f32: one C call from the strided K/V views of the
+                        fused qkv rows
+    decodes, and        the C decode kernel straight from the block table, one query token
+    small prefill       at a time (query token j of a chunk is a one-token query over
+    chunks              seq_len - query_len + j + 1 keys): no gather of K/V
+    larger chunks       the C prefill kernel over the chunk's gathered K/V
+
+Whatever a kernel refuses (another dtype, a shape it does not hold, no C compiler to build the
+kernels with) takes the torch reference's path instead, so this backend answers wherever the
+torch one does, and the tests compare the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cbgen.attention import native, torch_backend
+from cbgen.attention.base import AttentionBackend, AttentionMetadata
+from cbgen.attention.torch_backend import AttentionPlan, PrefillChunk
+
+NATIVE_PREFILL_ROWS = 8192
+"""A prefill chunk goes to the C decode kernel when its query tokens read at most this many
+K/V rows in all (query_len x mean keys per query); past that, one call of the prefill kernel
+over the gathered K/V is cheaper than the decode kernel's per-token reads (a call costs
+about as much as 8k rows on the machine this was measured on)."""
+
+
+@dataclass
+class NativePlan:
+    """Work for the C decode kernel: every decode, and every token of the prefill chunks of at
+    most NATIVE_PREFILL_ROWS rows. Tokens are in flat-batch order, so when all are covered,
+    row i is token i."""
+
+    tokens: torch.Tensor  # [N] token indices in the flat batch
+    blocks: torch.Tensor  # [N, nb] int32 block table row of each token's sequence
+    seq_lens: torch.Tensor  # [N] int32 keys each token sees
+    prefills: list[PrefillChunk]
+    """The prefill chunks left to the prefill kernel."""
+
+
+@dataclass
+class CpuPlan:
+    """A step's plan for this backend: the kernels' share and the reference's."""
+
+    reference: AttentionPlan
+    """The torch reference's plan: what the kernels refuse goes this way."""
+    native: NativePlan
+
+
+def plan_attention(
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    slot_mapping: torch.Tensor | None = None,
+) -> CpuPlan:
+    """The reference's plan, and which tokens the decode kernel takes (see NativePlan)."""
+    reference = torch_backend.plan_attention(block_table, query_start_loc, seq_lens, block_size, slot_mapping)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    left = {p[0]: p for p in reference.prefills}
+    tokens, rows, keys = [], [], []
+    max_len = 0
+    for i, seq_len in enumerate(lens):
+        start, end = qsl[i], qsl[i + 1]
+        qlen = end - start
+        if qlen == 0:
+            continue
+        if qlen > 1:
+            if qlen * (seq_len - qlen / 2) > NATIVE_PREFILL_ROWS:
+                continue
+            del left[start]
+        tokens.append(np.arange(start, end))
+        rows.append(np.full(qlen, i))
+        keys.append(np.arange(seq_len - qlen + 1, seq_len + 1))
+        max_len = max(max_len, seq_len)
+    device = block_table.device
+    if not tokens:
+        nat = NativePlan(
+            torch.empty(0, dtype=torch.long, device=device),
+            torch.empty(0, 0, dtype=torch.int32, device=device),
+            torch.empty(0, dtype=torch.int32, device=device),
+            list(left.values()),
+        )
+        return CpuPlan(reference, nat)
+    row_idx = torch.from_numpy(np.concatenate(rows)).to(device)
+    nb = -(-max_len // block_size)
+    nat = NativePlan(
+        torch.from_numpy(np.concatenate(tokens)).to(device),
+        block_table[row_idx, :nb].to(torch.int32),
+        torch.from_numpy(np.concatenate(keys).astype(np.int32)).to(device),
+        list(left.values()),
+    )
+    return CpuPlan(reference, nat)
+
+
+def attend(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: float) -> torch.Tensor:
+    """Attention of query [T, H, D] over the paged cache: the kernels in float32, the torch
+    reference for the rest (see the module docstring)."""
+    if not query.dtype == kv_cache.dtype == torch.float32:
+        return torch_backend.attend(query, kv_cache, plan.reference, scale)
+    nat = plan.native
+    out: torch.Tensor | None = None
+    prefills = nat.prefills
+    if nat.tokens.numel():
+        all_native = nat.tokens.shape[0] == query.shape[0]  # then row i is token i
+        o = native.paged_decode_f32(query if all_native else query[nat.tokens], kv_cache, nat.blocks, nat.seq_lens, scale)
+        if o is not None and all_native:
+            return o
+        out = torch.empty_like(query)
+        if o is not None:
+            out[nat.tokens] = o
+        else:  # the kernel refused: decodes and small chunks go the reference's way
+            torch_backend.attend_decodes(query, kv_cache, plan.reference, scale, out)
+            prefills = plan.reference.prefills
+    if out is None:
+        out = torch.empty_like(query)
+    for chunk in prefills:
+        start, end = chunk[0], chunk[1]
+        keys, values = torch_backend.gather_context(kv_cache, chunk)
+        o = native.prefill_attention_f32(query[start:end], keys, values, scale)
+        out[start:end] = o if o is not None else torch_backend.attend_chunk(query[start:end], keys, values, scale)
+    return out
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """The C kernels on the CPU, the torch reference wherever they cannot run."""
+
+    name = "cpu"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.block_table.device.type != "cpu":
+            raise ValueError(f"attention_backend: cpu runs on the CPU, not {meta.block_table.device}")
+        meta.state = plan_attention(
+            meta.block_table, meta.query_start_loc, meta.seq_lens, meta.block_size, meta.slot_mapping
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        plan: CpuPlan = meta.state
+        if not native.write_kv_f32(key, value, kv_cache, meta.slot_mapping):
+            torch_backend.write_kv_cache(key, value, kv_cache, meta.slot_mapping, plan.reference.may_have_negative)
+        return attend(query, kv_cache, plan, scale)
