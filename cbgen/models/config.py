@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from cbgen.models.errors import ModelFileError, read_json_object
+
 SUPPORTED_ARCHITECTURES = {
     "llama": "llama",
     "mistral": "llama",
@@ -63,6 +65,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """A Hugging Face config.json's fields; raises ValueError naming the first field that is
+        missing, of the wrong type or out of range."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -70,51 +74,140 @@ class ModelConfig:
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         kind = SUPPORTED_ARCHITECTURES[model_type]
-        heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
-        rope_scaling = cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta")
-        params = cfg.get("rope_parameters")  # transformers >= 5 folds both into one dict
-        if isinstance(params, dict):
-            rope_theta = params.get("rope_theta", rope_theta)
+        heads = _int(cfg, "num_attention_heads")
+        hidden = _int(cfg, "hidden_size")
+        kv_heads = _int(cfg, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ValueError(
+                f"'num_attention_heads' ({heads}) must be a multiple of 'num_key_value_heads' ({kv_heads})"
+            )
+        rope_scaling = _dict(cfg, "rope_scaling")
+        rope_theta = _number(cfg, "rope_theta", 10000.0)
+        params = _dict(cfg, "rope_parameters")  # transformers >= 5 folds both into one dict
+        if params is not None:
+            rope_theta = _number(params, "rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
-            None,
-            "default",
-        ):
-            rope_scaling = None
+        if rope_scaling is not None:
+            rope_scaling = _rope_scaling(rope_scaling)
         return cls(
             model_type=kind,
-            vocab_size=cfg["vocab_size"],
+            vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            intermediate_size=_int(cfg, "intermediate_size"),
+            num_hidden_layers=_int(cfg, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta if rope_theta is not None else 10000.0,
+            num_key_value_heads=kv_heads,
+            head_dim=_int(cfg, "head_dim", hidden // heads),
+            rms_norm_eps=_number(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
+            max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
+            tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
+            attention_bias=kind == "qwen2" or _bool(cfg, "attention_bias"),
             qk_norm=kind == "qwen3",
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
+            bos_token_id=_token_id(cfg, "bos_token_id"),
+            eos_token_id=_token_ids(cfg, "eos_token_id"),
             extra={"hf_model_type": model_type, "sliding_window": cfg.get("sliding_window")},
         )
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f))
+        """Read config.json; a malformed one raises ModelFileError naming the file and field."""
+        cfg = read_json_object(Path(path))
+        try:
+            return cls.from_hf_dict(cfg)
+        except ValueError as e:
+            raise ModelFileError(f"{path}: {e}") from None
 
     def replace(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)
 
 
-def _llama_shape(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, **kw: Any) -> ModelConfig:
+# ---- config.json fields: each is checked where it is read, so an error names the field ----------
+
+
+def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer; null or absent takes the default (required without one)."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"{key!r} is missing")
+        return default
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{key!r} must be a positive integer, got {_show(value)}")
+    return value
+
+
+def _number(cfg: dict[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if type(value) not in (int, float) or not value > 0:
+        raise ValueError(f"{key!r} must be a positive number, got {_show(value)}")
+    return float(value)
+
+
+def _bool(cfg: dict[str, Any], key: str) -> bool:
+    value = cfg.get(key, False)
+    if type(value) is not bool:
+        raise ValueError(f"{key!r} must be true or false, got {_show(value)}")
+    return value
+
+
+def _dict(cfg: dict[str, Any], key: str) -> dict[str, Any] | None:
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{key!r} must be an object or null, got {_show(value)}")
+    return value
+
+
+def _token_id(cfg: dict[str, Any], key: str) -> int | None:
+    value = cfg.get(key)
+    if value is not None and (type(value) is not int or value < 0):
+        raise ValueError(f"{key!r} must be a token id, got {_show(value)}")
+    return value
+
+
+def _token_ids(cfg: dict[str, Any], key: str) -> int | list[int] | None:
+    value = cfg.get(key)
+    if isinstance(value, list):
+        if not all(type(v) is int and v >= 0 for v in value):
+            raise ValueError(f"{key!r} must be a token id or a list of them, got {_show(value)}")
+        return value
+    return _token_id(cfg, key)
+
+
+_ROPE_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+"""The rope scaling types cbgen implements (rope_inv_freq) and the numbers each needs."""
+
+
+def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in _ROPE_FIELDS:
+        raise ValueError(
+            f"rope scaling {kind!r} is not supported ({', '.join(['default', *_ROPE_FIELDS])} are)"
+        )
+    for key in _ROPE_FIELDS[kind]:
+        if scaling.get(key) is None:
+            raise ValueError(f"rope scaling {kind!r} needs {key!r}")
+        _number(scaling, key, 0.0)
+    return scaling
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _llama_shape(
+    hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, **kw: Any
+) -> ModelConfig:
     return ModelConfig(
         model_type="llama",
         vocab_size=vocab,
@@ -129,6 +222,7 @@ def _llama_shape(hidden: int, inter: int, layers: int, heads: int, kv: int, voca
 
 
 # Shapes for load_format="dummy": benchmark an architecture without its weights.
+# fmt: off
 BUILTIN_SHAPES: dict[str, ModelConfig] = {
     "smollm2-135m": _llama_shape(
         576, 1536, 30, 9, 3, 49152, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -152,3 +246,4 @@ BUILTIN_SHAPES: dict[str, ModelConfig] = {
         64, 128, 2, 4, 2, 512, rms_norm_eps=1e-6, max_position_embeddings=2048, eos_token_id=2,
     ),
 }
+# fmt: on

@@ -29,8 +29,10 @@ from torch import nn
 
 from cbgen.config import DEFAULT_MODEL
 from cbgen.models.config import BUILTIN_SHAPES, SUPPORTED_ARCHITECTURES, ModelConfig
-from cbgen.models.gguf_file import GGUFFile
+from cbgen.models.errors import ModelFileError, one_line, read_json_object
+from cbgen.models.gguf_file import GGUFError, GGUFFile
 from cbgen.models.llama import CausalLM
+from cbgen.models.safetensors_file import check_safetensors
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -61,7 +63,10 @@ class ModelSource:
 
 
 def _has_tokenizer(folder: Path) -> bool:
-    return any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    return any(
+        (folder / f).exists()
+        for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    )
 
 
 def default_model_path() -> str:
@@ -127,40 +132,61 @@ def _gguf_config(reader: GGUFFile) -> ModelConfig:
     f = reader.fields
     arch = f.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported")
-    heads = int(f[f"{arch}.attention.head_count"])
-    hidden = int(f[f"{arch}.embedding_length"])
+        raise GGUFError(
+            f"model file {reader.path}: GGUF architecture {arch!r} is not supported; cbgen runs "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+
+    def number(key: str, default: float | None = None) -> Any:
+        value = f.get(f"{arch}.{key}", default)
+        if value is None:
+            raise GGUFError(f"model file {reader.path}: the metadata has no {arch}.{key}")
+        if type(value) not in (int, float):
+            raise GGUFError(
+                f"model file {reader.path}: {arch}.{key} must be a number, got {value!r:.40}"
+            )
+        return value
+
+    heads = number("attention.head_count")
+    hidden = number("embedding_length")
     tensor_names = {t.name for t in reader.tensors}
     vocab = f.get(f"{arch}.vocab_size")
     if vocab is None:
-        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if emb is None or not emb.shape:
+            raise GGUFError(
+                f"model file {reader.path}: no {arch}.vocab_size and no token_embd.weight tensor"
+            )
         vocab = int(emb.shape[-1])
     rope_scaling = None
     scaling_type = f.get(f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(f[f"{arch}.rope.scaling.factor"])}
+        rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor")}
     elif scaling_type not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
+        raise GGUFError(f"model file {reader.path}: rope scaling {scaling_type!r} is not supported")
     hf = {
         "model_type": arch,
-        "vocab_size": int(vocab),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(f[f"{arch}.feed_forward_length"]),
-        "num_hidden_layers": int(f[f"{arch}.block_count"]),
+        "intermediate_size": number("feed_forward_length"),
+        "num_hidden_layers": number("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(f.get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(f.get(f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(f.get(f"{arch}.rope.freq_base", 10000.0)),
+        "num_key_value_heads": number("attention.head_count_kv", heads),
+        "head_dim": number("attention.key_length", hidden // heads if heads else 0),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": number("rope.freq_base", 10000.0),
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(f.get(f"{arch}.context_length", 4096)),
+        "max_position_embeddings": number("context_length", 4096),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": f.get("tokenizer.ggml.eos_token_id"),
     }
     if arch == "qwen2":
         hf["attention_bias"] = True
-    return ModelConfig.from_hf_dict(hf)
+    try:
+        return ModelConfig.from_hf_dict(hf)
+    except ValueError as e:  # named by the config.json field it maps to
+        raise GGUFError(f"model file {reader.path}: {e}") from None
 
 
 # ---- weights ---------------------------------------------------------------------------
@@ -207,7 +233,10 @@ def iter_gguf_weights(reader: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str,
     arch = cfg.extra.get("hf_model_type", cfg.model_type)
 
     def convert(t: Any) -> tuple[str, torch.Tensor]:
-        arr = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
+        try:
+            arr = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
+        except NotImplementedError as e:  # a type the gguf package cannot dequantize
+            raise GGUFError(f"model file {reader.path}: tensor {t.name!r}: {one_line(e)}") from None
         name = _gguf_to_hf_name(t.name)
         if arch in ("llama", "mistral"):
             if name.endswith("q_proj.weight"):
@@ -227,13 +256,20 @@ def iter_gguf_weights(reader: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str,
 
 
 def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    """Every file's header is checked before the first tensor is read, so a broken shard
+    fails before any loading."""
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(Path(folder).glob("*.safetensors"))
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)
+        check_safetensors(file)
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelFileError(f"model file {file}: {one_line(e)}") from None
 
 
 def _init_dummy(model: CausalLM, seed: int) -> None:
@@ -290,10 +326,15 @@ def load_model(
             weights = iter_gguf_weights(_gguf_reader(source.path), cfg)
         else:
             weights = iter_safetensors_weights(source.path)
-        loaded = model.load_weights(weights)
+        try:
+            loaded = model.load_weights(weights)
+        except ModelFileError:
+            raise
+        except ValueError as e:  # an unexpected or misshapen tensor: name the file it came from
+            raise ModelFileError(f"model {source.path}: {e}") from None
         missing = model.expected_weight_names() - loaded
         if missing:
-            raise ValueError(f"model {source.name}: missing weights {sorted(missing)[:5]}")
+            raise ModelFileError(f"model {source.path}: missing weights {sorted(missing)[:5]}")
     model.eval()
     model.requires_grad_(False)
     if device.type == "cpu" and dtype == torch.float32:
@@ -316,7 +357,41 @@ def load_tokenizer(source: ModelSource) -> Any:
 
     if tok_source.kind == "gguf":
         return _gguf_tokenizer(Path(tok_source.path))
-    return AutoTokenizer.from_pretrained(tok_source.path, trust_remote_code=False)
+    folder = Path(tok_source.path)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception as e:  # transformers and tokenizers raise anything from KeyError to Exception
+        raise _tokenizer_error(folder, e) from None
+
+
+_TOKENIZER_JSON = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+
+def _tokenizer_error(folder: Path, error: Exception) -> ModelFileError:
+    """Which tokenizer file is broken, found after the fact so a sound tokenizer's load pays
+    nothing: a JSON file that does not parse, then a tokenizer.json the tokenizers library
+    rejects, else the folder with transformers' own message."""
+    for name in _TOKENIZER_JSON:
+        if (folder / name).exists():
+            try:
+                read_json_object(folder / name)
+            except ModelFileError as e:
+                return e
+    if (folder / "tokenizer.json").exists():
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:
+            return ModelFileError(f"{folder / 'tokenizer.json'} is not a tokenizer: {one_line(e)}")
+    return ModelFileError(
+        f"cannot load the tokenizer in {folder}: {type(error).__name__}: {one_line(error)}"
+    )
 
 
 def _gguf_tokenizer(path: Path) -> Any:
@@ -325,14 +400,20 @@ def _gguf_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
     cached = Path.home() / ".cache" / "cbgen" / "tokenizers" / key
     if (cached / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
         except Exception:  # a damaged cache entry: rebuild it below
             shutil.rmtree(cached, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # e.g. a vocabulary missing from the metadata
+        raise GGUFError(
+            f"model file {path}: cannot build its tokenizer: {type(e).__name__}: {one_line(e)}"
+        ) from None
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
