@@ -1,7 +1,15 @@
-"""The CPU C kernels (cbgen/attention/csrc) against the torch formulations they replace."""
+"""The CPU C kernels (cbgen/attention/csrc) against the torch formulations they replace, built
+as -march=native gives and with AVX-512 switched off (what an AVX2-only CPU gets); the build
+cache keyed by target, the status line, the fallback without kernels, the argument checks."""
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +20,30 @@ from cbgen.models.llama import RMSNorm, apply_rope
 
 pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler")
 
+AVX2_FLAGS = ("-mno-avx512f",)
 
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> native.Build:
+    """The kernels compiled with AVX-512 switched off, into a fresh folder."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("-mno-avx512f is an x86 flag")
+    build = native.build_library(tmp_path_factory.mktemp("kernels-avx2"), AVX2_FLAGS)
+    assert build.library is not None, build.status()
+    assert "avx512" not in build.reason and " avx2 " in build.reason, build.reason
+    return build
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A kernel test runs against the default build and against the AVX2 one."""
+    if request.param == "avx2":
+        lib = request.getfixturevalue("avx2_build").library
+        monkeypatch.setattr(native, "load_library", lambda extra_flags=(): lib)
+    return str(request.param)
+
+
+@pytest.mark.usefixtures("kernels")
 def test_add_rmsnorm_matches_residual_add_then_rmsnorm() -> None:
     torch.manual_seed(0)
     for t in (1, 7, 600):  # 600 x 576 crosses the threshold where the kernel goes parallel
@@ -28,6 +59,7 @@ def test_add_rmsnorm_matches_residual_add_then_rmsnorm() -> None:
         torch.testing.assert_close(only, want, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.usefixtures("kernels")
 def test_rope_in_place_is_bit_identical_to_the_reference_formula() -> None:
     torch.manual_seed(2)
     t, heads, d = 9, 5, 64
@@ -42,6 +74,7 @@ def test_rope_in_place_is_bit_identical_to_the_reference_formula() -> None:
     assert torch.equal(qkv[:, heads * d :], tail)
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize(
     ("group", "block_size", "head_dim", "hkv", "batch"),
     [
@@ -88,6 +121,7 @@ def test_paged_decode_refuses_shapes_it_cannot_hold_and_attend_falls_back() -> N
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.usefixtures("kernels")
 def test_softmax_exponentials_are_within_three_ulp_of_expf() -> None:
     """The decode kernel's polynomial exp against torch.exp, from the maximum (exp 0 = 1)
     down past float32's underflow, at lengths that end mid-vector."""
@@ -109,6 +143,7 @@ def test_softmax_exponentials_are_within_three_ulp_of_expf() -> None:
     assert x[0] == 1.0 and x[1].isnan() and x[3] == 0.0 and total != total
 
 
+@pytest.mark.usefixtures("kernels")
 def test_silu_mul_matches_silu_times_up_to_a_few_ulp() -> None:
     """One pass over gate-up [T, 2I] against torch's silu(gate) * up, computed in float64 from
     the same float32 inputs: both sides of 0, |g| up to 100 (exp underflows), widths that end
@@ -140,6 +175,7 @@ def _inverse_cdf_float64(logits: torch.Tensor, temperature: float, u: float) -> 
     return int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True)), cdf, target
 
 
+@pytest.mark.usefixtures("kernels")
 def test_sample_is_the_inverse_cdf_of_the_tempered_softmax() -> None:
     """Rows of 17 (a partial vector), 1000 and 49152 tokens (192 chunks), temperatures on both
     sides of 1, every 7th token masked to -inf, draws at 0 and just under 1, rows read
@@ -170,6 +206,7 @@ def test_sample_is_the_inverse_cdf_of_the_tempered_softmax() -> None:
         assert int(got[1]) == max(i for i in range(v) if i % 7)  # u just under 1: the last live token
 
 
+@pytest.mark.usefixtures("kernels")
 def test_sample_covers_every_live_token_and_refuses_nan_and_inf() -> None:
     logits = torch.full((1, 40), float("-inf"))
     live = [3, 17, 18, 39]
@@ -192,6 +229,7 @@ def test_sample_covers_every_live_token_and_refuses_nan_and_inf() -> None:
     assert native.sample(torch.full((1, 8), float("-inf")), torch.ones(1), torch.zeros(1)) is None
 
 
+@pytest.mark.usefixtures("kernels")
 def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
     """Scores from about -400 to 400: the kernel's exponentials underflow to zero far below
     the maximum and stay accurate near it; 40 sequences take every thread through several
@@ -211,6 +249,7 @@ def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
     assert (got - exact).abs().max() <= 2 * torch_error + 1e-6
 
 
+@pytest.mark.usefixtures("kernels")
 def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
     """The cpu backend's attention: decodes, small prefill chunks (with and without cached
     context: the C decode kernel, one query token at a time) and chunks too large for it (the
@@ -258,6 +297,7 @@ def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize(
     ("qlen", "ctx", "heads", "kv_heads", "d"),
     [
@@ -287,6 +327,7 @@ def test_prefill_attention_matches_a_float64_causal_softmax(
     assert torch.equal(native.prefill_attention_f32(view, k, v, d**-0.5), got)
 
 
+@pytest.mark.usefixtures("kernels")
 def test_prefill_attention_keeps_nan_to_the_rows_that_see_it_and_refuses_other_head_sizes() -> None:
     torch.manual_seed(9)
     q, k, v = torch.randn(40, 6, 64), torch.randn(50, 2, 64), torch.randn(50, 2, 64)
@@ -297,6 +338,7 @@ def test_prefill_attention_keeps_nan_to_the_rows_that_see_it_and_refuses_other_h
     assert native.prefill_attention_f32(torch.randn(4, 2, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32), 0.2) is None
 
 
+@pytest.mark.usefixtures("kernels")
 def test_kv_write_matches_index_copy_from_strided_views() -> None:
     """K and V as views into one fused qkv row (row stride > Hkv * D), a negative slot skipped,
     a slot past the cache refused before anything is written."""
@@ -322,6 +364,7 @@ def test_kv_write_matches_index_copy_from_strided_views() -> None:
     assert not native.write_kv_f32(k.transpose(1, 2).contiguous().transpose(1, 2), v, got, slots)
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize(("n", "k"), [(96, 40), (64, 577), (960, 576)])
 def test_small_gemm_matches_matmul_and_a_row_never_depends_on_the_batch(n: int, k: int) -> None:
     torch.manual_seed(6)
@@ -430,3 +473,164 @@ def test_every_kernel_source_ships_as_package_data() -> None:
     for path in needed:
         rel = path.relative_to(pkg).as_posix()
         assert any(fnmatch.fnmatch(rel, g) for g in globs), rel
+
+
+
+# ---- builds: the AVX2 build, the cache key, the status line, the fallback -----------------
+
+
+def test_small_gemm_is_bit_identical_without_avx512(
+    avx2_build: native.Build, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each output is one in-order sum over k on either ISA: a CPU without AVX-512 computes the
+    very same matmul results."""
+    torch.manual_seed(11)
+    weight, bias, x = torch.randn(96, 577), torch.randn(96), torch.randn(37, 577)
+    panels = native.pack_panels(weight)
+    assert panels is not None
+    want = native.small_gemm(x, panels, bias)
+    lib = avx2_build.library
+    monkeypatch.setattr(native, "load_library", lambda extra_flags=(): lib)
+    avx2_panels = native.pack_panels(weight)
+    assert avx2_panels is not None and torch.equal(avx2_panels, panels)
+    assert torch.equal(native.small_gemm(x, avx2_panels, bias), want)
+
+
+def _other_node(here: native.Target) -> native.Target:
+    """The same compiler on a CPU of another generation: AVX-512 where this one has none, or
+    none where it has it."""
+    macros = {k: v for k, v in here.macros.items() if not k.startswith("__AVX512")}
+    if macros == dict(here.macros):
+        macros |= {"__AVX512F__": "1", "__AVX512BF16__": "1"}
+    return native.Target(here.compiler, here.version, macros)
+
+
+def test_the_cache_key_names_compiler_version_and_target_isa() -> None:
+    macros = {
+        "__x86_64__": "1", "__tune_znver4__": "1", "__AVX512F__": "1", "__AVX512BF16__": "1",
+        "__AVX2__": "1", "__FMA__": "1", "__GNUC__": "12", "__GNUC_MINOR__": "2",
+    }  # fmt: skip
+    zen4 = native.Target("/usr/bin/cc", "cc (Debian 12.2.0-14) 12.2.0", macros)
+    assert zen4.describe() == "x86-64 znver4 avx512f avx512bf16 avx2 fma (gcc 12.2)"
+    payload = b"sources and flags"
+    key = zen4.key(payload)
+    assert key == native.Target(zen4.compiler, zen4.version, dict(macros)).key(payload)
+    others = [
+        _other_node(zen4),
+        native.Target("/opt/gcc13/bin/cc", zen4.version, macros),
+        native.Target(zen4.compiler, "cc (Debian 13.1.0-1) 13.1.0", macros),
+    ]
+    assert len({key, *(t.key(payload) for t in others), zen4.key(payload + b" -O2")}) == 5
+    avx2 = native.Target(
+        "cc", "", {"__x86_64__": "1", "__AVX2__": "1", "__FMA__": "1", "__clang_major__": "17"}
+    )
+    assert avx2.describe() == "x86-64 avx2 fma (clang 17.0)"
+
+
+def test_a_library_cached_for_another_target_is_never_loaded(tmp_path: Path) -> None:
+    """A shared home folder holds a library built on another node: this node's loader looks
+    only under its own key and loads the library built for it."""
+    cc = native.find_compiler()
+    assert cc is not None
+    flags = tuple(native._FLAGS)
+    payload = native.build_payload(flags)
+    here = native.probe_target(cc, flags)
+    elsewhere = _other_node(here)
+    assert elsewhere.key(payload) != here.key(payload)
+    foreign = tmp_path / f"cbgen_cpu_{elsewhere.key(payload)}.so"
+    foreign.write_bytes(b"\x7fELF: a library for another CPU")
+    # this node's build, as an earlier run left it (saves a compile here)
+    built = native.build_library(native.cache_dir())
+    assert built.path is not None and built.path.name == f"cbgen_cpu_{here.key(payload)}.so"
+    shutil.copy(built.path, tmp_path / built.path.name)
+    build = native.build_library(tmp_path)
+    assert build.library is not None, build.status()
+    assert build.path == tmp_path / built.path.name
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([foreign.name, built.path.name])
+
+
+@pytest.fixture
+def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """load_library and native_status start over with their cache in tmp_path/cache; the
+    real build is back after the test."""
+    monkeypatch.setattr(native, "cache_dir", lambda: tmp_path / "cache")
+    native._build.cache_clear()
+    native.load_library.cache_clear()
+    yield tmp_path / "cache"
+    native._build.cache_clear()
+    native.load_library.cache_clear()
+
+
+def _put_first_on_path(
+    monkeypatch: pytest.MonkeyPatch, folder: Path, cc_script: str | None
+) -> None:
+    folder.mkdir()
+    if cc_script is not None:
+        (folder / "cc").write_text("#!/bin/sh\n" + cc_script)
+        (folder / "cc").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+@pytest.mark.parametrize("stage", ["probe", "compile"])
+def test_a_failed_build_is_reported_with_the_compilers_words_in_a_log(
+    fresh_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    """A compiler that fails at once (even `cc --version`), or only when it compiles a source:
+    no library, and the status line points to a log holding the command and its stderr."""
+    real = native.find_compiler()
+    script = 'echo "cc1: fatal error: this compiler is broken" >&2\nexit 1\n'
+    if stage == "compile":
+        script = (
+            f'case " $* " in *" -c "*) {script.replace(chr(10), "; ")};; esac\nexec {real} "$@"\n'
+        )
+    _put_first_on_path(monkeypatch, tmp_path / "bin", script)
+    assert native.load_library() is None
+    logs = list(fresh_build.glob("build-*.log"))
+    assert len(logs) == 1 and not list(fresh_build.glob("*.so"))
+    assert (
+        native.native_status() == f"native CPU kernels: unavailable (build failed, see {logs[0]})"
+    )
+    text = logs[0].read_text()
+    assert "this compiler is broken" in text and str(tmp_path / "bin" / "cc") in text
+    assert (" -c " in text) is (stage == "compile")
+
+
+def test_no_compiler_is_reported(
+    fresh_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert native.load_library() is None
+    assert native.native_status() == "native CPU kernels: unavailable (no C compiler)"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_without_the_kernels_the_engine_gives_the_same_greedy_tokens(
+    kind: str, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No C compiler on a node: the engine runs on the torch paths, token for token as with
+    the kernels (mixed prefill chunks and decodes)."""
+    from cbgen.config import EngineConfig, SamplingParams
+    from cbgen.engine.engine import Engine
+    from cbgen.llm import LLM
+
+    config = EngineConfig(
+        model=str(tiny_model_dir(kind)), device="cpu", dtype="float32", kv_cache_memory=8 << 20,
+        block_size=4, num_threads=1, max_num_batched_tokens=24,
+    )  # fmt: skip
+    prompts = [[1, 5, 9, 200, 17], list(range(30, 70)), [100, 3, 77, 42, 42, 9, 250, 17], [7] * 19]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run() -> tuple[Engine, list[list[int]]]:
+        engine = Engine(config)
+        return engine, [o.output_token_ids for o in LLM(engine=engine).generate(prompts, params)]
+
+    with_kernels, want = run()
+    assert with_kernels.model.fused_cpu_ops and with_kernels.model.lm_head_panels is not None
+    assert (
+        "CPU " in with_kernels.describe()
+        and "native CPU kernels: built for" in with_kernels.describe()
+    )
+    monkeypatch.setattr(native, "load_library", lambda extra_flags=(): None)
+    without, got = run()
+    assert not without.model.fused_cpu_ops and without.model.lm_head_panels is None
+    assert got == want and all(len(t) == 24 for t in got)
