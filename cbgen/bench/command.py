@@ -1,8 +1,8 @@
 """`cbgen bench`: continuous against static batching (or any engine knob) on one workload.
 
-    load the model once ─▶ build the workload ─▶ for each column (policy x sweep point):
-        fresh Engine sharing the weights ─▶ warm-up ─▶ timed run ─▶ summary
-    ─▶ table (+ ratio line), and --output-json / --output-parquet / --plot
+load the model once ─▶ build the workload ─▶ for each column (policy x sweep point):
+    fresh Engine sharing the weights ─▶ warm-up ─▶ timed run ─▶ summary
+─▶ table (+ ratio line), and --output-json / --output-parquet / --plot
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from cbgen.cli_options import NO_ENGINE_OPTIONS, EngineOptions, engine_options
 from cbgen.config import EngineConfig, parse_size
+from cbgen.models.errors import ModelFileError
 
 if TYPE_CHECKING:
     from cbgen.engine.engine import Engine
@@ -25,7 +27,15 @@ WORKLOADS = ("sharegpt", "random", "file", "prefix")
 POLICIES = ("continuous", "static")
 _HOLDER_KV_BYTES = 64 << 20
 """KV cache of the engine that only holds the weights (the measured engines share them)."""
-_NOT_SWEEPABLE = {"model", "load_format", "device", "dtype", "attention_backend", "scheduling_policy", "seed"}
+_NOT_SWEEPABLE = {
+    "model",
+    "load_format",
+    "device",
+    "dtype",
+    "attention_backend",
+    "scheduling_policy",
+    "seed",
+}
 
 
 def _default(name: str) -> Any:
@@ -40,8 +50,6 @@ class Column:
     repeat: int = 1
     """1 for a sweep value's first column, 2 for the same value given again (its label gets
     " #2"), and so on: repeating a value measures the run-to-run spread."""
-
-
 
 
 def parse_sweep(text: str) -> tuple[str, list[Any]]:
@@ -74,10 +82,14 @@ def parse_sweep(text: str) -> tuple[str, list[Any]]:
 
 def _point_name(overrides: dict[str, Any], repeat: int) -> str:
     """'max_num_seqs=64', and 'max_num_seqs=64 #2' for its second run."""
-    return " ".join(f"{k}={v}" for k, v in overrides.items()) + (f" #{repeat}" if repeat > 1 else "")
+    return " ".join(f"{k}={v}" for k, v in overrides.items()) + (
+        f" #{repeat}" if repeat > 1 else ""
+    )
 
 
-def plan_columns(policy: str, compare: str | None, sweep: tuple[str, list[Any]] | None) -> list[Column]:
+def plan_columns(
+    policy: str, compare: str | None, sweep: tuple[str, list[Any]] | None
+) -> list[Column]:
     policies = [policy] if compare is None or compare == policy else [policy, compare]
     if sweep is None:
         return [Column(p, p, {}) for p in policies]
@@ -88,18 +100,31 @@ def plan_columns(policy: str, compare: str | None, sweep: tuple[str, list[Any]] 
         repeat = seen[v] = seen.get(v, 0) + 1
         point = _point_name({knob: v}, repeat)
         for p in policies:
-            columns.append(Column(point if len(policies) == 1 else f"{p} {point}", p, {knob: v}, repeat))
+            columns.append(
+                Column(point if len(policies) == 1 else f"{p} {point}", p, {knob: v}, repeat)
+            )
     return columns
 
 
+@engine_options(exclude=("scheduling_policy", "seed"))  # --policy and --seed below
 def bench(
     workload: str = typer.Option("sharegpt", help="sharegpt | random | file | prefix"),
     num_prompts: int = typer.Option(48, help="Requests in the workload."),
-    seed: int = typer.Option(0, help="Shuffles and draws the workload, arrivals and sampling; seeds dummy weights."),
-    dataset_path: str | None = typer.Option(None, help="file: the JSONL to run; sharegpt: another copy of the ShareGPT JSON."),
+    seed: int = typer.Option(
+        0, help="Shuffles and draws the workload, arrivals and sampling; seeds dummy weights."
+    ),
+    dataset_path: str | None = typer.Option(
+        None, help="file: the JSONL to run; sharegpt: another copy of the ShareGPT JSON."
+    ),
     max_prompt_len: int = typer.Option(1024, help="sharegpt: drop prompts longer than this."),
-    max_output_len: int | None = typer.Option(None, help="sharegpt: cap reply lengths (a capped request keeps the cap)."),
-    chat_template: bool | None = typer.Option(None, "--chat-template/--no-chat-template", help="Wrap text prompts in the chat template [default: when the model has one]."),
+    max_output_len: int | None = typer.Option(
+        None, help="sharegpt: cap reply lengths (a capped request keeps the cap)."
+    ),
+    chat_template: bool | None = typer.Option(
+        None,
+        "--chat-template/--no-chat-template",
+        help="Wrap text prompts in the chat template [default: when the model has one].",
+    ),
     input_len: int = typer.Option(256, help="random: mean prompt length."),
     output_len: int = typer.Option(128, help="random and prefix: (mean) output length."),
     range_ratio: float = typer.Option(0.0, help="random: lengths uniform in [L(1-r), L(1+r)]."),
@@ -107,28 +132,23 @@ def bench(
     num_prefixes: int = typer.Option(8, help="prefix: distinct prefixes, taken in turn."),
     suffix_len: int = typer.Option(32, help="prefix: private tokens after the prefix."),
     policy: str = typer.Option("continuous", help="continuous | static"),
-    compare: str | None = typer.Option(None, help="Run this policy too, on the same requests (e.g. static)."),
-    static_batch_size: int = typer.Option(_default("static_batch_size"), help="Batch size of the static policy."),
-    request_rate: float | None = typer.Option(None, help="Poisson arrivals, requests/s [default: all at once]."),
-    sweep: str | None = typer.Option(None, help="One column per value of an engine knob, e.g. max_num_seqs=1,8,32,64 (a value given again is a repeat)."),
+    compare: str | None = typer.Option(
+        None, help="Run this policy too, on the same requests (e.g. static)."
+    ),
+    request_rate: float | None = typer.Option(
+        None, help="Poisson arrivals, requests/s [default: all at once]."
+    ),
+    sweep: str | None = typer.Option(
+        None,
+        help="One column per value of an engine knob, e.g. max_num_seqs=1,8,32,64 (a value given again is a repeat).",
+    ),
     num_warmup: int = typer.Option(4, help="Short requests run on each engine before timing."),
     output_json: str | None = typer.Option(None, help="Write the figures as JSON."),
     output_parquet: str | None = typer.Option(None, help="Write one row per request and run."),
-    plot: str | None = typer.Option(None, help="Write slots-in-use and TTFT plots (PNG; needs matplotlib)."),
-    model: str | None = typer.Option(None, help="Model folder, .gguf, or built-in shape (with --load-format dummy) [default: SmolLM2-135M-Instruct]."),
-    max_num_seqs: int = typer.Option(_default("max_num_seqs"), help="Slots: the most requests running at once."),
-    max_num_batched_tokens: int = typer.Option(_default("max_num_batched_tokens"), help="Token budget of one step."),
-    enable_chunked_prefill: bool = typer.Option(_default("enable_chunked_prefill"), help="Split long prompts across steps."),
-    block_size: int = typer.Option(_default("block_size"), help="Tokens per KV block."),
-    kv_cache_memory: str | None = typer.Option(None, help="KV cache size, bytes or e.g. 4GiB [default: CPU a quarter of free memory up to 4GiB; CUDA from --gpu-memory-utilization]."),
-    gpu_memory_utilization: float = typer.Option(_default("gpu_memory_utilization"), help="CUDA: share of GPU memory the engine may use."),
-    max_model_len: int | None = typer.Option(None, help="Longest prompt + output [default: the model's]."),
-    dtype: str = typer.Option(_default("dtype"), help="auto | float32 | bfloat16 | float16"),
-    device: str = typer.Option(_default("device"), help="auto | cpu | cuda"),
-    attention_backend: str = typer.Option(_default("attention_backend"), help="auto | torch | triton | flash"),
-    load_format: str = typer.Option(_default("load_format"), help="auto | dummy (random weights of the model's shape)"),
-    enable_prefix_caching: bool = typer.Option(_default("enable_prefix_caching"), help="Reuse KV blocks of shared prefixes."),
-    num_threads: int | None = typer.Option(None, help="CPU threads for torch [default: all this process may use]."),
+    plot: str | None = typer.Option(
+        None, help="Write slots-in-use and TTFT plots (PNG; needs matplotlib)."
+    ),
+    engine: EngineOptions = NO_ENGINE_OPTIONS,
 ) -> None:
     """Benchmark continuous against static batching on real (ShareGPT) or synthetic traffic."""
     try:
@@ -140,25 +160,7 @@ def bench(
             raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
         if workload == "file" and dataset_path is None:
             raise ValueError("dataset_path: --workload file needs --dataset-path")
-        config = EngineConfig(
-            model=model,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            block_size=block_size,
-            kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            dtype=dtype,  # type: ignore[arg-type]
-            device=device,  # type: ignore[arg-type]
-            attention_backend=attention_backend,  # type: ignore[arg-type]
-            load_format=load_format,  # type: ignore[arg-type]
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            scheduling_policy=policy,  # type: ignore[arg-type]
-            static_batch_size=static_batch_size,
-            num_threads=num_threads,
-        )
+        config = engine.config(scheduling_policy=policy, seed=seed)
         columns = plan_columns(policy, compare, parse_sweep(sweep) if sweep else None)
         for c in columns:
             config.replace(scheduling_policy=c.policy, **c.overrides)  # validates every column now
@@ -187,6 +189,9 @@ def bench(
             output_parquet=output_parquet,
             plot=plot,
         )
+    except ModelFileError as e:  # the options were fine, the model's files are not
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -235,25 +240,41 @@ def run_bench(
     runs = []
     description = ""
     for c in columns:
-        engine = Engine(config.replace(scheduling_policy=c.policy, **c.overrides), share_weights_with=holder)
+        engine = Engine(
+            config.replace(scheduling_policy=c.policy, **c.overrides), share_weights_with=holder
+        )
         description = description or engine.describe()
         err.print(f"running {c.label} ...")
         t0 = time.perf_counter()
 
-        def report_progress(done: int, total: int, tokens: int, elapsed: float, label: str = c.label) -> None:
-            err.print(f"  {label}: {done}/{total} requests done, {tokens} output tokens, {elapsed:.0f} s")
+        def report_progress(
+            done: int, total: int, tokens: int, elapsed: float, label: str = c.label
+        ) -> None:
+            err.print(
+                f"  {label}: {done}/{total} requests done, {tokens} output tokens, {elapsed:.0f} s"
+            )
 
         run = run_workload(
-            engine, requests, arrivals, label=c.label, seed=options["seed"], num_warmup=num_warmup, progress=report_progress
+            engine,
+            requests,
+            arrivals,
+            label=c.label,
+            seed=options["seed"],
+            num_warmup=num_warmup,
+            progress=report_progress,
         )
         run.overrides = dict(c.overrides)
         runs.append(run)
-        err.print(f"  {c.label}: {run.wall_s:.1f} s timed ({time.perf_counter() - t0:.1f} s with warm-up)")
+        err.print(
+            f"  {c.label}: {run.wall_s:.1f} s timed ({time.perf_counter() - t0:.1f} s with warm-up)"
+        )
         del engine
         gc.collect()
         if output_json:  # the columns so far: a long run interrupted keeps what it measured
             results = {r.label: report.summarize(r) for r in runs}
-            report.write_json(output_json, workload_info, _engine_info(holder, description, config), results, {})
+            report.write_json(
+                output_json, workload_info, _engine_info(holder, description, config), results, {}
+            )
 
     results = {run.label: report.summarize(run) for run in runs}
     ratio_columns = _ratio_columns(columns, results)
@@ -274,7 +295,12 @@ def run_bench(
         from cbgen.bench.plot import write_plot
 
         write_plot(plot, runs, title=f"{workload}, {len(requests)} requests, {holder.source.name}")
-    return {"workload": workload_info, "engine": engine_info, "results": results, "ratios": ratio_columns}
+    return {
+        "workload": workload_info,
+        "engine": engine_info,
+        "results": results,
+        "ratios": ratio_columns,
+    }
 
 
 def _engine_info(holder: Engine, description: str, config: EngineConfig) -> dict[str, Any]:

@@ -78,9 +78,12 @@ def worker_main(plan: RunPlan, index: int, conn: mpc.Connection) -> None:
         )
         send(("done", result.completed, result.stats, stop.reason, result.snapshot))
     except BaseException as e:  # report anything, then exit non-zero
-        if not isinstance(e, (ValueError, InputError, OutputError, KeyboardInterrupt)):
+        if isinstance(e, (ValueError, InputError, OutputError, KeyboardInterrupt)):
+            message = str(e) or type(e).__name__  # ours: the message says it all
+        else:
             traceback.print_exc()  # unexpected: the details go to stderr
-        send(("error", "".join(traceback.format_exception_only(type(e), e)).strip()))
+            message = "".join(traceback.format_exception_only(type(e), e)).strip()
+        send(("error", message))
         conn.close()
         sys.exit(1)
     conn.close()
