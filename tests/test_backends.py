@@ -386,13 +386,14 @@ def test_profile_forward_runs_the_full_budget_on_cpu(tiny_model_dir: Callable[[s
         model=str(tiny_model_dir("llama")), device="cpu", kv_cache_memory=1 << 20,
         max_num_batched_tokens=100, max_num_seqs=7,
     ))
-    probs, kv_bytes = run_profile_forward(engine)
+    args = (engine.model, engine.backend, engine.config, engine.max_model_len, engine.dtype, engine.device)
+    probs, kv_bytes = run_profile_forward(*args)
     assert probs.shape == (7, engine.model_config.vocab_size)
     assert torch.allclose(probs.sum(-1), torch.ones(7))
     # 94-token chunk + 6 one-token prompts in 16-token blocks: 6 + 6 blocks
     assert kv_bytes == 12 * engine.kv_bytes_per_block
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        profile_peak_memory(engine)
+        profile_peak_memory(*args)
 
 
 # ---- on a GPU only ---------------------------------------------------------------------------

@@ -16,10 +16,9 @@ import torch
 
 from cbgen.attention import get_attention_backend
 from cbgen.config import EngineConfig, SamplingParams
-from cbgen.attention.cpu_features import cpu_info
-from cbgen.attention.native import native_status
 from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
+from cbgen.engine.profile import profile_peak_memory
 from cbgen.engine.request import Request, RequestStatus
 from cbgen.engine.runner import ModelRunner, NewRequestInfo
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
@@ -161,9 +160,7 @@ class Engine:
     def _profile_cuda_kv_budget(self) -> int:
         """Run one forward pass at the full token budget, then give the KV cache what is left
         of gpu_memory_utilization x total memory."""
-        from cbgen.engine.profile import profile_peak_memory
-
-        peak = profile_peak_memory(self)
+        peak = profile_peak_memory(self.model, self.backend, self.config, self.max_model_len, self.dtype, self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = int(total * self.config.gpu_memory_utilization) - peak
         if budget <= 0:
@@ -181,7 +178,7 @@ class Engine:
             f"attention {self.backend.name}; KV cache {self.num_blocks} blocks x {self.config.block_size} "
             f"tokens = {tokens} tokens ({self.num_blocks * self.kv_bytes_per_block / GiB:.2f} GiB), "
             f"room for {tokens // self.max_model_len}+ sequences at max_model_len {self.max_model_len}"
-        ) + (f"; {cpu_info().describe()}; {native_status()}" if self.device.type == "cpu" else "")
+        )
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

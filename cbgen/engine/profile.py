@@ -1,8 +1,7 @@
 """Size the KV cache on CUDA: run one forward pass at the full token budget and measure it.
 
-Engine._profile_cuda_kv_budget calls profile_peak_memory(engine) after the weights are loaded
-and before the KV cache exists; the cache then gets gpu_memory_utilization x total memory minus
-what this returns.
+The engine calls profile_peak_memory after the weights are loaded and before the KV cache
+exists; the cache then gets gpu_memory_utilization x total memory minus what this returns.
 
 The profiling batch is the worst step the scheduler can build: max_num_batched_tokens tokens
 in min(max_num_seqs, max_num_batched_tokens) sequences, every one of which samples (so the
@@ -19,15 +18,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from cbgen.attention import AttentionMetadata
-
-if TYPE_CHECKING:
-    from cbgen.engine.engine import Engine
+from cbgen.attention import AttentionBackend, AttentionMetadata
+from cbgen.config import EngineConfig
+from cbgen.models.llama import CausalLM
 
 logger = logging.getLogger("cbgen")
 
@@ -99,39 +96,52 @@ def build_profile_batch(
 
 
 @torch.inference_mode()
-def run_profile_forward(engine: Engine) -> tuple[torch.Tensor, int]:
-    """One forward pass of the profiling batch through engine.model and engine.backend, plus
-    the logits and a float32 softmax of them (the sampler's largest buffers). Returns (the
-    probabilities [S, vocab], bytes of the throwaway KV cache)."""
-    cfg, mc = engine.config, engine.model_config
-    lens = profile_seq_lens(cfg.max_num_batched_tokens, cfg.max_num_seqs, engine.max_model_len)
-    batch = build_profile_batch(lens, cfg.block_size, engine.device)
+def run_profile_forward(
+    model: CausalLM,
+    backend: AttentionBackend,
+    config: EngineConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, int]:
+    """One forward pass of the profiling batch for config's budgets through model and
+    backend, plus the logits and a float32 softmax of them (the sampler's largest buffers).
+    Returns (the probabilities [S, vocab], bytes of the throwaway KV cache)."""
+    cfg, mc = config, model.config
+    lens = profile_seq_lens(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len)
+    batch = build_profile_batch(lens, cfg.block_size, device)
     kv_caches = [
         torch.zeros(
             2, batch.num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
-            dtype=engine.dtype, device=engine.device,
+            dtype=dtype, device=device,
         )
         for _ in range(mc.num_hidden_layers)
     ]
     kv_bytes = sum(c.numel() * c.element_size() for c in kv_caches)
-    engine.backend.prepare(batch.meta)
-    hidden = engine.model(batch.input_ids, batch.positions, kv_caches, batch.meta, engine.backend)
-    logits = engine.model.compute_logits(hidden[batch.logits_indices])
+    backend.prepare(batch.meta)
+    hidden = model(batch.input_ids, batch.positions, kv_caches, batch.meta, backend)
+    logits = model.compute_logits(hidden[batch.logits_indices])
     del hidden, kv_caches
     probs = torch.softmax(logits.float(), dim=-1)
     return probs, kv_bytes
 
 
-def profile_peak_memory(engine: Engine) -> int:
+def profile_peak_memory(
+    model: CausalLM,
+    backend: AttentionBackend,
+    config: EngineConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
     """Peak bytes of GPU memory that weights + activations of the largest step take, plus
     memory outside torch's allocator (CUDA context, libraries, other processes)."""
-    device = engine.device
     if device.type != "cuda":
         raise ValueError(f"profile_peak_memory: needs a CUDA device, the engine runs on {device}")
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    probs, kv_bytes = run_profile_forward(engine)
+    probs, kv_bytes = run_profile_forward(model, backend, config, max_model_len, dtype, device)
     torch.cuda.synchronize(device)
     torch_peak = torch.cuda.max_memory_allocated(device) - kv_bytes
     free, total = torch.cuda.mem_get_info(device)
@@ -142,8 +152,8 @@ def profile_peak_memory(engine: Engine) -> int:
     logger.info(
         "profile: a step of %d tokens in %d sequences peaks at %.2f GiB in torch "
         "(weights + activations) + %.2f GiB outside torch, of %.2f GiB",
-        engine.config.max_num_batched_tokens,
-        min(engine.config.max_num_seqs, engine.config.max_num_batched_tokens),
+        config.max_num_batched_tokens,
+        min(config.max_num_seqs, config.max_num_batched_tokens),
         torch_peak / GiB,
         outside_torch / GiB,
         total / GiB,
