@@ -11,7 +11,7 @@ import pytest
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.outputs import RequestOutput
-from cbgen.engine.static_scheduler import PAD_ID_PREFIX, StaticScheduler
+from cbgen.engine.static_scheduler import PAD_ID_PREFIX
 
 TINY_LLAMA = dict(
     model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -30,10 +30,7 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Engine:
 
 def make_engine(weights: Engine, **overrides: Any) -> Engine:
     cfg = weights.config.replace(**{"block_size": 4, "max_num_batched_tokens": 512, "max_num_seqs": 8, **overrides})
-    engine = Engine(cfg, share_weights_with=weights)
-    if isinstance(engine.scheduler, StaticScheduler):
-        engine.scheduler.max_model_len = engine.max_model_len
-    return engine
+    return Engine(cfg, share_weights_with=weights)
 
 
 # (prompt length, output length); distinct token ranges, so no prefix-cache hits
@@ -106,7 +103,8 @@ def test_static_pads_and_waits_for_the_slowest_member(weights: Engine) -> None:
     assert done["r3"][1].metrics.queue_s > done["r2"][1].metrics.ttft_s  # type: ignore[operator]
     # Hand count: pads 4 + 6; members' prompts 5 + 9 + 3 + 4; decodes 5 x 3 + 2; of the
     # decodes, r0 computed 2 and r1 4 after they were done.
-    stats = engine.scheduler.padding  # type: ignore[attr-defined]
+    stats = engine.padding_stats
+    assert stats is not None
     assert (stats.num_pad_tokens, stats.num_discarded_tokens) == (10, 6)
     assert stats.num_computed_tokens == sum(len(p) for p in positions) == 10 + 21 + 17
     assert stats.waste == pytest.approx(16 / 48)

@@ -122,6 +122,17 @@ def test_caching_on_equals_off_across_preemptions(base: Engine) -> None:
     assert on_engine.kv.num_hits > 0
 
 
+def test_reset_prefix_cache_makes_the_next_request_start_cold(base: Engine) -> None:
+    engine, outs = run(base, [[PROMPTS[0]], [PROMPTS[0]]])
+    assert outs[1][0].num_cached_tokens == 28  # its 7 full blocks; the 8th holds only its last token
+    engine.reset_prefix_cache()
+    again = LLM(engine=engine).generate([PROMPTS[0]], GREEDY)
+    assert again[0].num_cached_tokens == 0
+    assert again[0].output_token_ids == outs[0][0].output_token_ids
+    # and the blocks it computed are cached again for the next one
+    assert LLM(engine=engine).generate([PROMPTS[0]], GREEDY)[0].num_cached_tokens == 28
+
+
 SYSTEM = (
     "You are a careful assistant for a large offline evaluation job. Answer in one short "
     "paragraph, state assumptions, and never invent citations."

@@ -26,7 +26,7 @@ from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.outputs import RequestOutput
 from cbgen.engine.request import Request
-from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
+from cbgen.engine.static_scheduler import PaddingStats
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def warm_up(engine: Engine, num_requests: int, seed: int) -> float:
             break  # a KV cache too small for this warm-up request: warm up with fewer
     while engine.has_unfinished_requests():
         engine.step()
-    engine.kv.pool.reset_prefix_cache()
+    engine.reset_prefix_cache()
     return time.perf_counter() - t0
 
 
@@ -127,13 +127,6 @@ def cpu_busy_s() -> tuple[float, float]:
     busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
     me = psutil.Process().cpu_times()
     return busy, me.user + me.system + me.children_user + me.children_system
-
-
-def slot_capacity(engine: Engine) -> int:
-    sched = engine.scheduler
-    if isinstance(sched, StaticScheduler):
-        return min(sched.static_batch_size, engine.config.max_num_seqs)
-    return engine.config.max_num_seqs
 
 
 def run_workload(
@@ -152,13 +145,8 @@ def run_workload(
     progress_every_s seconds while it runs."""
     if len(arrivals) != len(requests):
         raise ValueError(f"arrivals: {len(arrivals)} given for {len(requests)} requests")
-    sched = engine.scheduler
-    if isinstance(sched, StaticScheduler):
-        # Lets a static batch be as large as a padded row allows (see StaticScheduler).
-        sched.max_model_len = engine.max_model_len
     warmup_s = warm_up(engine, num_warmup, seed)
-    if isinstance(sched, StaticScheduler):
-        sched.padding = PaddingStats()
+    padding_before = engine.padding_stats
     preemptions_before = engine.total_preemptions
 
     order = deque(sorted(range(len(requests)), key=lambda i: arrivals[i]))
@@ -212,11 +200,13 @@ def run_workload(
     wall_s = time.perf_counter() - start
     busy1, own1 = cpu_busy_s()
     other_load = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall_s if wall_s > 0 else float("nan")
-    padding = sched.padding if isinstance(sched, StaticScheduler) else None
+    padding = engine.padding_stats
+    if padding is not None and padding_before is not None:
+        padding = padding.since(padding_before)
     return RunResult(
         label=label,
         policy=engine.config.scheduling_policy,
-        slots=slot_capacity(engine),
+        slots=engine.num_slots,
         requests=[records[r.request_id] for r in requests],
         steps=steps,
         wall_s=wall_s,

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from cbgen.engine.profile import profile_peak_memory
 from cbgen.engine.request import Request, RequestStatus
 from cbgen.engine.runner import ModelRunner, NewRequestInfo
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
-from cbgen.engine.static_scheduler import StaticScheduler
+from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
 from cbgen.metrics import RequestMetrics
 from cbgen.models.llama import CausalLM
 from cbgen.models.loader import load_model, load_model_config, load_tokenizer, resolve_model
@@ -101,12 +102,16 @@ class Engine:
         self.load_time_s = time.perf_counter() - t0
         self.num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        sched_cls = StaticScheduler if config.scheduling_policy == "static" else Scheduler
-        self.scheduler: Scheduler = sched_cls(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
-        )
-        if isinstance(self.scheduler, StaticScheduler):
-            self.scheduler.static_batch_size = min(config.static_batch_size, config.max_num_seqs)
+        self.scheduler: Scheduler
+        if config.scheduling_policy == "static":
+            self.scheduler = StaticScheduler(
+                self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+                static_batch_size=config.static_batch_size, max_model_len=self.max_model_len,
+            )
+        else:
+            self.scheduler = Scheduler(
+                self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+            )
         self.runner = ModelRunner(
             self.model,
             self.backend,
@@ -257,6 +262,27 @@ class Engine:
     @property
     def num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
+
+    @property
+    def num_slots(self) -> int:
+        """The most requests that compute at once: max_num_seqs, or under the static policy
+        its batch size (when smaller)."""
+        if self.config.scheduling_policy == "static":
+            return min(self.config.static_batch_size, self.config.max_num_seqs)
+        return self.config.max_num_seqs
+
+    @property
+    def padding_stats(self) -> PaddingStats | None:
+        """What the static policy has computed so far, padding apart (a copy); None under the
+        continuous policy, which pads nothing."""
+        if isinstance(self.scheduler, StaticScheduler):
+            return dataclasses.replace(self.scheduler.padding)
+        return None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix, so that the next requests start cold (a timed run
+        after a warm-up). Blocks held by requests in flight stay theirs, no longer shared."""
+        self.kv.pool.reset_prefix_cache()
 
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         reqs = [self.scheduler.requests[r] for r in request_ids if r in self.scheduler.requests]

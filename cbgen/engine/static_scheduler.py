@@ -68,6 +68,15 @@ class PaddingStats:
         """Share of the computed tokens that were padding (0 when nothing was computed)."""
         return self.num_wasted_tokens / self.num_computed_tokens if self.num_computed_tokens else 0.0
 
+    def since(self, earlier: PaddingStats) -> PaddingStats:
+        """What was counted after the snapshot `earlier` of the same counters was taken."""
+        return PaddingStats(
+            self.num_computed_tokens - earlier.num_computed_tokens,
+            self.num_pad_tokens - earlier.num_pad_tokens,
+            self.num_discarded_tokens - earlier.num_discarded_tokens,
+            self.num_batches - earlier.num_batches,
+        )
+
 
 @dataclass
 class _Batch:
@@ -95,22 +104,25 @@ class _Batch:
 class StaticScheduler(Scheduler):
     """Request-level batching: one padded batch at a time (see the module docstring)."""
 
-    static_batch_size: int = 8
-    max_model_len: int | None = None
-    """Set by the owner of the engine when known: a batch is formed only while its longest
-    prompt plus its largest max_tokens fits, as a padded row must. When None, a done member
-    stops computing once it is as long as the longest prompt + max_tokens of any member (a
-    length every request was checked against), so a rare member idles rather than computes
-    its last discarded tokens."""
-
     def __init__(
         self,
         kv_cache: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        *,
+        static_batch_size: int = 8,
+        max_model_len: int | None = None,
     ) -> None:
+        """static_batch_size: the most members of a batch (and at most max_num_seqs).
+        max_model_len: the longest a sequence may grow; a batch is formed only while its
+        longest prompt plus its largest max_tokens fits, as a padded row must. When None, a
+        done member stops computing once it is as long as the longest prompt + max_tokens of
+        any member (a length every request was checked against), so a rare member idles
+        rather than computes its last discarded tokens."""
         super().__init__(kv_cache, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        self.static_batch_size = static_batch_size
+        self.max_model_len = max_model_len
         self.batch: _Batch | None = None
         self.padding = PaddingStats()
         self._rows: set[str] = set()
