@@ -123,7 +123,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.total_preemptions = 0
         self._finished_ids: list[str] = []
 
     # ---- queue -----------------------------------------------------------------------
@@ -181,7 +180,6 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.total_preemptions += 1
         self.waiting.appendleft(req)
 
     def _admit(self, step: _StepBuilder, now: float) -> None:
