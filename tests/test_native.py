@@ -634,3 +634,61 @@ def test_without_the_kernels_the_engine_gives_the_same_greedy_tokens(
     without, got = run()
     assert not without.model.fused_cpu_ops and without.model.lm_head_panels is None
     assert got == want and all(len(t) == 24 for t in got)
+
+
+# ---- argument checks that hold under python -O --------------------------------------------
+
+
+def test_wrong_dtypes_and_shapes_raise_before_any_pointer_reaches_c() -> None:
+    x, panels = torch.randn(3, 64), torch.randn(3, 64, native.PANEL)
+    kv = torch.randn(2, 4, 16, 2, 64)
+    bt, sl = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    residual, weight = torch.randn(5, 64), torch.ones(64)
+    before = residual.clone()
+    cos = torch.randn(32, 16)
+    cases: list[tuple[Callable[[], object], type[Exception], str]] = [
+        (lambda: native.small_gemm(x.double(), panels, None), TypeError, "x: expected torch.float32, got torch.float64"),
+        (lambda: native.small_gemm(torch.randn(3, 65), panels, None), ValueError, r"x: expected shape \[M, 64\], got \[3, 65\]"),
+        (lambda: native.small_gemm(x, panels, torch.randn(95)), ValueError, r"bias: expected shape \[96\]"),
+        (lambda: native.small_gemm(x, panels[:, :, :16], None), ValueError, "panels: expected shape"),
+        (lambda: native.silu_mul(torch.randn(3, 7)), ValueError, "gate_up: expected an even number of columns"),
+        (lambda: native.silu_mul(torch.randn(3, 8).half()), TypeError, "gate_up: expected torch.float32"),
+        (lambda: native.add_rmsnorm_(residual, None, torch.ones(63), 1e-6), ValueError, r"weight: expected shape \[64\]"),
+        (lambda: native.add_rmsnorm_(residual, torch.randn(64, 5).t(), weight, 1e-6), ValueError, "x: expected a contiguous"),
+        (lambda: native.rope_(torch.randn(3, 128), 2, 32, torch.zeros(3, dtype=torch.int32), cos, cos), TypeError, "positions: expected torch.int64"),
+        (lambda: native.rope_(torch.randn(3, 64), 4, 32, torch.zeros(3, dtype=torch.int64), cos, cos), ValueError, "x: rows of 4 heads x 32"),
+        (lambda: native.paged_decode_f32(torch.randn(2, 4, 64), kv, bt.long(), sl, 0.1), TypeError, "block_table: expected torch.int32"),
+        (lambda: native.paged_decode_f32(torch.randn(2, 4, 64), kv[..., :32], bt, sl, 0.1), ValueError, r"kv_cache: expected shape \[2, num_blocks, block_size, Hkv, 64\]"),
+        (lambda: native.paged_decode_f32(torch.randn(2, 4, 64), kv[:, :, :8], bt, sl, 0.1), ValueError, "kv_cache: expected a contiguous"),
+        (lambda: native.paged_decode_f32(torch.randn(3, 4, 64), kv, bt, sl, 0.1), ValueError, r"block_table: expected shape \[3, n\]"),
+        (lambda: native.paged_decode_f32(torch.randn(2, 3, 64), kv, bt, sl, 0.1), ValueError, "not a multiple of the cache's 2 KV heads"),
+        (lambda: native.sample(torch.randn(2, 10), torch.ones(3), torch.rand(2)), ValueError, r"temperature: expected shape \[2\]"),
+        (lambda: native.prefill_attention_f32(torch.randn(4, 2, 64), torch.randn(4, 2, 32), torch.randn(4, 2, 32), 0.1), ValueError, "key: expected shape"),
+        (lambda: native.prefill_attention_f32(torch.randn(5, 2, 64), torch.randn(4, 2, 64), torch.randn(4, 2, 64), 0.1), ValueError, "cannot serve a query of 5"),
+        (lambda: native.exp_sub_sum_(torch.randn(8).double(), 0.0), TypeError, "scores: expected torch.float32"),
+        (lambda: native.head_bf16(torch.randn(2, 8), x[:2], x[:2].bfloat16(), torch.randn(8, 64), torch.ones(8), torch.ones(8), (0.0, 1.0, 0.0, 0.0), torch.zeros(2), torch.zeros(2), 1), TypeError, "logits: expected torch.bfloat16"),
+        (lambda: native.pack_panels(torch.randn(96)), ValueError, "weight: expected a 2-D CPU tensor"),
+    ]  # fmt: skip
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+    assert torch.equal(residual, before)  # a refused call wrote nothing
+
+
+def test_the_checks_hold_under_python_optimisations() -> None:
+    """`python -O` strips assert statements; the wrappers' checks are not asserts."""
+    code = (
+        "import torch\n"
+        "from cbgen.attention import native\n"
+        "assert False, 'assert statements still run'\n"
+        "try:\n"
+        "    native.small_gemm(torch.randn(2, 64, dtype=torch.float64), torch.randn(3, 64, 32), None)\n"
+        "except TypeError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-O", "-c", code], capture_output=True, text=True, cwd=root, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "refused: x: expected torch.float32, got torch.float64"

@@ -281,13 +281,49 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cbgen_sample_f32.restype = ctypes.c_int
 
 
+# ---- argument checks: every tensor handed to C as a raw pointer ------------------------
+
+
+def _check(
+    name: str, t: torch.Tensor, dtype: torch.dtype, shape: Sequence[int | str] | None = None
+) -> None:
+    """t is a CPU tensor of dtype and, when shape is given, of that shape (a str: any size,
+    named for the message). TypeError for the dtype, ValueError for the rest."""
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected {dtype}, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got one on {t.device}")
+    if shape is not None and (
+        t.dim() != len(shape)
+        or any(isinstance(w, int) and w != n for w, n in zip(shape, t.shape, strict=True))
+    ):
+        want = ", ".join(str(w) for w in shape)
+        raise ValueError(f"{name}: expected shape [{want}], got {list(t.shape)}")
+
+
+def _check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous tensor, got strides {t.stride()} for shape {list(t.shape)}"
+        )
+
+
+def _library() -> ctypes.CDLL:
+    """The kernels, for the ops whose callers checked fused_ops_available()."""
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError(native_status())
+    return lib
+
+
 def exp_sub_sum_(scores: torch.Tensor, m: float) -> float | None:
     """The decode kernel's softmax step on its own: scores[i] = exp(scores[i] - m) in place
     (float32, contiguous, every score <= m); returns their sum. None without the kernels."""
+    _check("scores", scores, torch.float32)
+    _check_contiguous("scores", scores)
     lib = load_library()
     if lib is None:
         return None
-    assert scores.dtype == torch.float32 and scores.is_contiguous()
     return lib.cbgen_exp_sub_sum_f32(scores.data_ptr(), scores.numel(), m)
 
 
@@ -299,12 +335,20 @@ def paged_decode_f32(
     scale: float,
 ) -> torch.Tensor | None:
     """Decode attention, one query token per sequence: query [B, H, D] float32 (CPU),
-    block_table [B, n] int32, seq_lens [B] int32. None when the kernel is unavailable."""
+    kv_cache [2, num_blocks, block_size, Hkv, D] contiguous, block_table [B, n] int32,
+    seq_lens [B] int32. None when the kernel is unavailable or cannot hold the shape."""
+    _check("query", query, torch.float32, ("B", "H", "D"))
+    b, h, d = query.shape
+    _check("kv_cache", kv_cache, torch.float32, (2, "num_blocks", "block_size", "Hkv", d))
+    _check_contiguous("kv_cache", kv_cache)
+    _check("block_table", block_table, torch.int32, (b, "n"))
+    _check("seq_lens", seq_lens, torch.int32, (b,))
+    _, _, bs, hkv, _ = kv_cache.shape
+    if h % hkv:
+        raise ValueError(f"query: {h} heads are not a multiple of the cache's {hkv} KV heads")
     lib = load_library()
     if lib is None:
         return None
-    b, h, d = query.shape
-    _, _, bs, hkv, _ = kv_cache.shape
     q = query.contiguous()
     bt = block_table.contiguous()
     sl = seq_lens.contiguous()
@@ -332,44 +376,97 @@ def paged_decode_f32(
 # ---- fused element-wise ops (float32, contiguous rows; callers check availability) ------
 
 
-def add_rmsnorm_(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += x (when given), in place; returns weight * rmsnorm(residual)."""
-    lib = load_library()
-    assert lib is not None
+def add_rmsnorm_(
+    residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += x (when given), in place; returns weight * rmsnorm(residual). residual and
+    x [T, H], weight [H], all float32 and contiguous."""
+    _check("residual", residual, torch.float32, ("T", "H"))
     t, h = residual.shape
+    _check("weight", weight, torch.float32, (h,))
+    if x is not None:
+        _check("x", x, torch.float32, (t, h))
+    for name, a in (("residual", residual), ("x", x), ("weight", weight)):
+        if a is not None:
+            _check_contiguous(name, a)
+    lib = _library()
     out = torch.empty_like(residual)
     lib.cbgen_add_rmsnorm_f32(
-        residual.data_ptr(), None if x is None else x.data_ptr(), weight.data_ptr(), eps, t, h, out.data_ptr()
+        residual.data_ptr(),
+        None if x is None else x.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        t,
+        h,
+        out.data_ptr(),
     )
     return out
 
 
-def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate, in place, the first `heads` heads of each row of x [T, >= heads * head_dim]."""
-    lib = load_library()
-    assert lib is not None
+def rope_(
+    x: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Rotate, in place, the first `heads` heads of each row of x [T, >= heads * head_dim]
+    (float32, unit column stride) at positions [T] int64, from the tables cos and sin
+    [max_positions, head_dim / 2] float32, contiguous."""
+    _check("x", x, torch.float32, ("T", "C"))
+    t = x.shape[0]
+    if (
+        head_dim % 2
+        or x.shape[1] < heads * head_dim
+        or x.stride(1) != 1
+        or (t > 1 and x.stride(0) < heads * head_dim)
+    ):
+        raise ValueError(
+            f"x: rows of {heads} heads x {head_dim} contiguous floats expected, got shape {list(x.shape)} "
+            f"and strides {x.stride()}"
+        )
+    _check("positions", positions, torch.int64, (t,))
+    _check("cos", cos, torch.float32, ("max_positions", head_dim // 2))
+    _check("sin", sin, torch.float32, tuple(cos.shape))
+    for name, a in (("positions", positions), ("cos", cos), ("sin", sin)):
+        _check_contiguous(name, a)
+    lib = _library()
     lib.cbgen_rope_f32(
-        x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        x.data_ptr(),
+        x.stride(0),
+        t,
+        heads,
+        head_dim,
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
     )
 
 
-def write_kv_f32(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+def write_kv_f32(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
     """torch_backend.write_kv_cache in one C call, for float32 CPU tensors whose heads are
     packed in each row (key/value [T, Hkv, D], any row stride; slot_mapping int64, negative
     slots skipped). False, writing nothing, when the tensors do not fit that description."""
     lib = load_library()
-    t, hkv, d = key.shape
     if (
         lib is None
+        or key.dim() != 3
         or not (key.dtype == value.dtype == kv_cache.dtype == torch.float32)
         or slot_mapping.dtype != torch.int64
+        or not (key.is_cpu and value.is_cpu and kv_cache.is_cpu and slot_mapping.is_cpu)
         or not kv_cache.is_contiguous()
-        or kv_cache.shape[-2:] != (hkv, d)
+        or kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or kv_cache.shape[-2:] != key.shape[1:]
         or value.shape != key.shape
-        or any(x.stride(2) != 1 or x.stride(1) != d for x in (key, value))
-        or slot_mapping.shape != (t,)
+        or any(x.stride(2) != 1 or x.stride(1) != x.shape[2] for x in (key, value))
+        or slot_mapping.shape != key.shape[:1]
     ):
         return False
+    t, hkv, d = key.shape
     slots = slot_mapping.contiguous()
     rc = lib.cbgen_write_kv_f32(
         key.data_ptr(),
@@ -384,7 +481,9 @@ def write_kv_f32(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         hkv * d,
     )
     if rc != 0:
-        raise IndexError(f"KV write: a slot is past the cache's {kv_cache[0].numel() // (hkv * d)} slots")
+        raise IndexError(
+            f"KV write: a slot is past the cache's {kv_cache[0].numel() // (hkv * d)} slots"
+        )
     return True
 
 
@@ -405,24 +504,34 @@ def head_bf16(
     the argmax (temperature 0) or a draw from softmax(logits / T) by rejection, its uniforms
     from a splitmix64 stream started at the row's seed. Returns (token ids [M] int64, -1 where
     a row must take the float32 path; the most candidates a greedy row needed)."""
-    lib = load_library()
-    assert lib is not None
+    _check("logits", logits, torch.bfloat16, ("M", "V"))
+    _check_contiguous("logits", logits)
     m, v = logits.shape
+    _check("hidden", hidden, torch.float32, (m, "K"))
     k = hidden.shape[1]
-    assert logits.dtype == hidden16.dtype == torch.bfloat16 and logits.is_contiguous()
-    assert hidden.dtype == weight.dtype == torch.float32
-    assert weight_norms.dtype == weight_residual_norms.dtype == torch.float32
-    assert weight.shape == (v, k) and weight_norms.shape == weight_residual_norms.shape == (v,)
-    assert hidden.shape == hidden16.shape == (m, k)
+    _check("hidden16", hidden16, torch.bfloat16, (m, k))
+    _check("weight", weight, torch.float32, (v, k))
+    _check("weight_residual_norms", weight_residual_norms, torch.float32, (v,))
+    _check("weight_norms", weight_norms, torch.float32, (v,))
     temp = temperature.to(torch.float32).contiguous()
     seed = seeds.to(torch.int64).contiguous()
-    assert temp.shape == seed.shape == (m,)
+    _check("temperature", temp, torch.float32, (m,))
+    _check("seeds", seed, torch.int64, (m,))
+    lib = _library()
     h, h16, w = hidden.contiguous(), hidden16.contiguous(), weight.contiguous()
     r, n = weight_residual_norms.contiguous(), weight_norms.contiguous()
     out = torch.empty(m, dtype=torch.int64)
     ptrs = (h.data_ptr(), h16.data_ptr(), k, w.data_ptr(), r.data_ptr(), n.data_ptr())
     most = lib.cbgen_head_bf16(
-        logits.data_ptr(), m, v, *ptrs, *bound, temp.data_ptr(), seed.data_ptr(), max_attempts, out.data_ptr()
+        logits.data_ptr(),
+        m,
+        v,
+        *ptrs,
+        *bound,
+        temp.data_ptr(),
+        seed.data_ptr(),
+        max_attempts,
+        out.data_ptr(),
     )
     return out, int(most)
 
@@ -490,7 +599,11 @@ _WEIGHT_ARENA = HugePageArena()
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] float32 packed for small_gemm (in huge pages where the OS gives them);
-    None when N is not a multiple of 32 or the kernels are unavailable."""
+    None when N is not a multiple of 32, the weight not float32, or the kernels unavailable."""
+    if weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(
+            f"weight: expected a 2-D CPU tensor, got shape {list(weight.shape)} on {weight.device}"
+        )
     lib = load_library()
     n, k = weight.shape
     if lib is None or weight.dtype != torch.float32 or n % PANEL:
@@ -502,17 +615,22 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W.T (+ bias) for W packed by pack_panels (x float32, M small: see
-    SMALL_GEMM_MAX_ROWS)."""
-    lib = load_library()
-    assert lib is not None and x.dtype == torch.float32 and x.dim() == 2
+    """x [M, K] @ W.T (+ bias [N]) for W [N, K] packed by pack_panels into panels
+    [N / 32, K, 32] (all float32, M small: see SMALL_GEMM_MAX_ROWS)."""
+    _check("panels", panels, torch.float32, ("P", "K", PANEL))
+    _check_contiguous("panels", panels)
     p, k, _ = panels.shape
-    assert x.shape[1] == k and (bias is None or bias.shape == (p * PANEL,))
+    _check("x", x, torch.float32, ("M", k))
+    if bias is not None:
+        _check("bias", bias, torch.float32, (p * PANEL,))
+    lib = _library()
     x = x.contiguous()
     m, n = x.shape[0], p * PANEL
     y = torch.empty(m, n, dtype=torch.float32)
     b = None if bias is None else bias.contiguous()
-    lib.cbgen_small_gemm_f32(x.data_ptr(), m, k, panels.data_ptr(), n, None if b is None else b.data_ptr(), y.data_ptr())
+    lib.cbgen_small_gemm_f32(
+        x.data_ptr(), m, k, panels.data_ptr(), n, None if b is None else b.data_ptr(), y.data_ptr()
+    )
     return y
 
 
@@ -521,30 +639,52 @@ def prefill_attention_f32(
 ) -> torch.Tensor | None:
     """Causal attention of a prompt chunk: query [Q, H, D] (float32, rows at positions
     L - Q .. L - 1) over key, value [L, Hkv, D] (the chunk's cached context, then itself).
-    Out [Q, H, D]; None without the kernels or for a shape the kernel does not take (D other
-    than 64 or 128)."""
-    lib = load_library()
-    if lib is None or not query.dtype == key.dtype == value.dtype == torch.float32:
+    Out [Q, H, D]; None without the kernels or for what the kernel does not take (another
+    dtype, D other than 64 or 128)."""
+    if not query.dtype == key.dtype == value.dtype == torch.float32:
         return None
+    _check("query", query, torch.float32, ("Q", "H", "D"))
     q_len, heads, head_dim = query.shape
+    _check("key", key, torch.float32, ("L", "Hkv", head_dim))
+    _check("value", value, torch.float32, tuple(key.shape))
     seq_len, kv_heads, _ = key.shape
+    if seq_len < q_len or heads % kv_heads:
+        raise ValueError(
+            f"key: {seq_len} positions x {kv_heads} heads cannot serve a query of {q_len} x {heads}"
+        )
+    lib = load_library()
+    if lib is None:
+        return None
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         query = query.contiguous()
     k, v = key.contiguous(), value.contiguous()
     out = torch.empty(q_len, heads, head_dim, dtype=torch.float32)
     rc = lib.cbgen_prefill_attention_f32(
-        query.data_ptr(), query.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads * head_dim,
-        q_len, seq_len - q_len, heads, kv_heads, head_dim, scale,
+        query.data_ptr(),
+        query.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        heads * head_dim,
+        q_len,
+        seq_len - q_len,
+        heads,
+        kv_heads,
+        head_dim,
+        scale,
     )
     return None if rc else out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2I] (gate first) float32: one pass, [T, I] out."""
-    lib = load_library()
-    assert lib is not None and gate_up.dtype == torch.float32 and gate_up.dim() == 2
+    _check("gate_up", gate_up, torch.float32, ("T", "2I"))
     t, two_i = gate_up.shape
-    assert two_i % 2 == 0
+    if two_i % 2:
+        raise ValueError(
+            f"gate_up: expected an even number of columns (gate, then up), got {two_i}"
+        )
+    lib = _library()
     gu = gate_up.contiguous()
     out = torch.empty(t, two_i // 2, dtype=torch.float32)
     lib.cbgen_silu_mul_f32(gu.data_ptr(), t, two_i // 2, out.data_ptr())
@@ -556,18 +696,21 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> 
     temperature [B] (> 0) and u [B] in [0, 1): per row, the first token whose running sum of
     exp(logit / T - max) exceeds u x the total (cbgen/attention/csrc/sample.c). The logits are
     not modified. None without the kernels or when a row holds NaN or +inf."""
-    lib = load_library()
-    if lib is None:
-        return None
-    assert logits.dtype == torch.float32 and logits.dim() == 2
-    if logits.stride(1) != 1 or logits.stride(0) < logits.shape[1]:
-        logits = logits.contiguous()
+    _check("logits", logits, torch.float32, ("B", "V"))
     b, v = logits.shape
     temp = temperature.to(torch.float32).contiguous()
     draws = u.to(torch.float32).contiguous()
-    assert temp.shape == (b,) and draws.shape == (b,)
+    _check("temperature", temp, torch.float32, (b,))
+    _check("u", draws, torch.float32, (b,))
+    lib = load_library()
+    if lib is None:
+        return None
+    if logits.stride(1) != 1 or logits.stride(0) < logits.shape[1]:
+        logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.int64)
-    rc = lib.cbgen_sample_f32(logits.data_ptr(), b, v, logits.stride(0), temp.data_ptr(), draws.data_ptr(), out.data_ptr())
+    rc = lib.cbgen_sample_f32(
+        logits.data_ptr(), b, v, logits.stride(0), temp.data_ptr(), draws.data_ptr(), out.data_ptr()
+    )
     return None if rc else out
 
 
