@@ -206,7 +206,10 @@ class SamplingParams:
             "must be non-empty strings",
         )
         _check(
-            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+            all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.stop_token_ids
+            ),
             "stop_token_ids",
             "must be non-negative integers",
         )

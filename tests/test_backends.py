@@ -122,7 +122,9 @@ def test_flash_available_probes_both_module_paths(monkeypatch: pytest.MonkeyPatc
     assert flash_backend.flash_available() == "vllm.vllm_flash_attn"
     no_func = types.ModuleType("vllm_flash_attn")
     monkeypatch.setitem(sys.modules, "vllm_flash_attn", no_func)
-    assert flash_backend.flash_available() == "vllm.vllm_flash_attn"  # the standalone one lacks the function
+    assert (
+        flash_backend.flash_available() == "vllm.vllm_flash_attn"
+    )  # the standalone one lacks the function
 
 
 def test_triton_probes_see_a_missing_triton(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,15 +154,40 @@ class FakeFlash:
         self.module = types.ModuleType("vllm_flash_attn")
         if with_fa_version:
 
-            def varlen(*, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None,  # type: ignore[no-untyped-def]
-                       softmax_scale=None, causal=False, block_table=None, out=None, fa_version=2):
+            def varlen(
+                *,
+                q,
+                k,
+                v,
+                max_seqlen_q,
+                cu_seqlens_q,
+                max_seqlen_k,
+                seqused_k=None,  # type: ignore[no-untyped-def]
+                softmax_scale=None,
+                causal=False,
+                block_table=None,
+                out=None,
+                fa_version=2,
+            ):
                 return self.run(locals())
 
             self.module.is_fa_version_supported = lambda v: v == 3  # type: ignore[attr-defined]
         else:
 
-            def varlen(*, q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=None,  # type: ignore[no-untyped-def,misc]
-                       softmax_scale=None, causal=False, block_table=None, out=None):
+            def varlen(
+                *,
+                q,
+                k,
+                v,
+                max_seqlen_q,
+                cu_seqlens_q,
+                max_seqlen_k,
+                seqused_k=None,  # type: ignore[no-untyped-def,misc]
+                softmax_scale=None,
+                causal=False,
+                block_table=None,
+                out=None,
+            ):
                 return self.run(locals())
 
         self.module.flash_attn_varlen_func = varlen  # type: ignore[attr-defined]
@@ -176,7 +203,9 @@ class FakeFlash:
         return kw["out"]
 
 
-def _mixed_meta(block_size: int = 16) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _mixed_meta(
+    block_size: int = 16,
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decode (context 20), a chunk of 6 after 10 cached tokens and a fresh 3-token prompt."""
     qlens, ctx = [1, 6, 3], [20, 10, 0]
     lens = [q + c for q, c in zip(qlens, ctx, strict=True)]
@@ -203,7 +232,9 @@ def _mixed_meta(block_size: int = 16) -> tuple[AttentionMetadata, torch.Tensor, 
 
 
 @pytest.mark.parametrize("with_fa_version", [True, False])
-def test_flash_backend_one_call_for_the_mixed_batch(monkeypatch: pytest.MonkeyPatch, with_fa_version: bool) -> None:
+def test_flash_backend_one_call_for_the_mixed_batch(
+    monkeypatch: pytest.MonkeyPatch, with_fa_version: bool
+) -> None:
     from cbgen.attention.flash_backend import FlashAttentionBackend
 
     fake = FakeFlash(with_fa_version)
@@ -215,7 +246,9 @@ def test_flash_backend_one_call_for_the_mixed_batch(monkeypatch: pytest.MonkeyPa
     cache = torch.randn(2, 6, 16, 2, 32, generator=g).to(torch.bfloat16)
     want_cache = cache.clone()
     torch_backend.write_kv_cache(key, value, want_cache, meta.slot_mapping)
-    want = torch_backend.paged_attention(query, want_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, 0.2)
+    want = torch_backend.paged_attention(
+        query, want_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, 0.2
+    )
     be.prepare(meta)
     got = be.forward(query, key, value, cache, meta, 0.2)
     assert len(fake.calls) == 1
@@ -229,7 +262,9 @@ def test_flash_backend_one_call_for_the_mixed_batch(monkeypatch: pytest.MonkeyPa
     assert torch.equal(got, want)
 
 
-def test_flash_backend_refuses_what_its_kernels_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flash_backend_refuses_what_its_kernels_cannot_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from cbgen.attention.flash_backend import FlashAttentionBackend
 
     monkeypatch.setitem(sys.modules, "vllm_flash_attn", FakeFlash(True).module)
@@ -237,7 +272,9 @@ def test_flash_backend_refuses_what_its_kernels_cannot_take(monkeypatch: pytest.
     meta, query, key, value = _mixed_meta(block_size=16)
     be.prepare(meta)
     with pytest.raises(ValueError, match="float16 and bfloat16"):
-        be.forward(query.float(), key.float(), value.float(), torch.zeros(2, 6, 16, 2, 32), meta, 0.2)
+        be.forward(
+            query.float(), key.float(), value.float(), torch.zeros(2, 6, 16, 2, 32), meta, 0.2
+        )
     meta8, *_ = _mixed_meta(block_size=8)
     with pytest.raises(ValueError, match="multiple of 16"):
         be.prepare(meta8)
@@ -260,7 +297,9 @@ def _run_backend(be: AttentionBackend, dtype: torch.dtype) -> tuple[torch.Tensor
 
 
 @pytest.mark.parametrize("kernels", [True, False])
-def test_cpu_backend_matches_the_torch_reference(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_backend_matches_the_torch_reference(
+    kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A decode, a chunk after cached context and a fresh prompt: float32 through the C kernels
     (or, without them, the torch path, to the bit); bfloat16, which the kernels do not take,
     through the torch path either way."""
@@ -273,7 +312,9 @@ def test_cpu_backend_matches_the_torch_reference(kernels: bool, monkeypatch: pyt
         pytest.skip("no C compiler: no kernels")
     answered = []
     decode = native.paged_decode_f32
-    monkeypatch.setattr(native, "paged_decode_f32", lambda *a: answered.append(o := decode(*a)) or o)
+    monkeypatch.setattr(
+        native, "paged_decode_f32", lambda *a: answered.append(o := decode(*a)) or o
+    )
     for dtype in (torch.float32, torch.bfloat16):
         want, want_cache = _run_backend(torch_backend.TorchAttentionBackend(), dtype)
         answered.clear()
@@ -281,7 +322,9 @@ def test_cpu_backend_matches_the_torch_reference(kernels: bool, monkeypatch: pyt
         assert torch.equal(got_cache, want_cache)
         if kernels and dtype == torch.float32:
             # every token (the small chunks too) in one call of the decode kernel
-            assert len(answered) == 1 and answered[0] is not None and answered[0].shape == (10, 8, 32)
+            assert (
+                len(answered) == 1 and answered[0] is not None and answered[0].shape == (10, 8, 32)
+            )
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         else:
             assert all(o is None for o in answered)
@@ -301,27 +344,62 @@ def test_cpu_backend_refuses_tensors_off_the_cpu() -> None:
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 11, 12, 13],
-    [100, 3, 77, 42, 42, 9, 250, 17, 33, 61, 12, 8, 190, 4, 4, 4, 61, 99, 23, 14, 15, 16, 17, 18, 19],
+    [
+        100,
+        3,
+        77,
+        42,
+        42,
+        9,
+        250,
+        17,
+        33,
+        61,
+        12,
+        8,
+        190,
+        4,
+        4,
+        4,
+        61,
+        99,
+        23,
+        14,
+        15,
+        16,
+        17,
+        18,
+        19,
+    ],
     [200, 201, 202, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79],
 ]
 NEW_TOKENS = 6
 
 
 def _greedy(engine: Engine) -> list[list[int]]:
-    outs = LLM(engine=engine).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    outs = LLM(engine=engine).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    )
     assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
     return [o.output_token_ids for o in outs]
 
 
 @pytest.mark.parametrize("name", ["cpu", "triton"])
-def test_engine_greedy_matches_the_torch_reference(name: str, tiny_model_dir: Callable[[str], Path]) -> None:
+def test_engine_greedy_matches_the_torch_reference(
+    name: str, tiny_model_dir: Callable[[str], Path]
+) -> None:
     """Same weights (tiny Llama, GQA 4:2), same prompts, chunked prefill (chunks of 8 tokens
     over cached context) and 4-token blocks (many block crossings): the cpu backend (its C
     kernels, or the torch path where there is no compiler) and the triton backend under the
     interpreter give the torch reference's greedy tokens."""
     cfg = EngineConfig(
-        model=str(tiny_model_dir("llama")), device="cpu", dtype="float32", kv_cache_memory=4 << 20,
-        block_size=4, max_num_batched_tokens=8, attention_backend="torch",
+        model=str(tiny_model_dir("llama")),
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=4 << 20,
+        block_size=4,
+        max_num_batched_tokens=8,
+        attention_backend="torch",
     )
     torch_engine = Engine(cfg)
     want = _greedy(torch_engine)
@@ -336,8 +414,12 @@ def test_triton_engine_split_kv_decodes_match_torch(tiny_model_dir: Callable[[st
     from cbgen.attention.triton_backend import TritonAttentionBackend
 
     cfg = EngineConfig(
-        model=str(tiny_model_dir("llama")), device="cpu", dtype="float32", kv_cache_memory=4 << 20,
-        block_size=16, attention_backend="torch",
+        model=str(tiny_model_dir("llama")),
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=4 << 20,
+        block_size=16,
+        attention_backend="torch",
     )
     torch_engine = Engine(cfg)
     want = _greedy(torch_engine)
@@ -382,11 +464,23 @@ def test_build_profile_batch_slots_and_blocks() -> None:
 
 
 def test_profile_forward_runs_the_full_budget_on_cpu(tiny_model_dir: Callable[[str], Path]) -> None:
-    engine = Engine(EngineConfig(
-        model=str(tiny_model_dir("llama")), device="cpu", kv_cache_memory=1 << 20,
-        max_num_batched_tokens=100, max_num_seqs=7,
-    ))
-    args = (engine.model, engine.backend, engine.config, engine.max_model_len, engine.dtype, engine.device)
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            device="cpu",
+            kv_cache_memory=1 << 20,
+            max_num_batched_tokens=100,
+            max_num_seqs=7,
+        )
+    )
+    args = (
+        engine.model,
+        engine.backend,
+        engine.config,
+        engine.max_model_len,
+        engine.dtype,
+        engine.device,
+    )
     probs, kv_bytes = run_profile_forward(*args)
     assert probs.shape == (7, engine.model_config.vocab_size)
     assert torch.allclose(probs.sum(-1), torch.ones(7))
@@ -410,8 +504,14 @@ def test_cuda_engine_greedy_matches_torch(name: str, tiny_model_dir: Callable[[s
     if name == "flash" and flash_backend.flash_available() is None:
         pytest.skip("vllm_flash_attn does not import here")
     dtype = "float32" if name == "triton" else "bfloat16"
-    cfg = EngineConfig(model=str(tiny_model_dir("llama")), device="cuda", dtype=dtype, kv_cache_memory=64 << 20,
-                       max_num_batched_tokens=8, attention_backend="torch")
+    cfg = EngineConfig(
+        model=str(tiny_model_dir("llama")),
+        device="cuda",
+        dtype=dtype,
+        kv_cache_memory=64 << 20,
+        max_num_batched_tokens=8,
+        attention_backend="torch",
+    )
     torch_engine = Engine(cfg)
     want = _greedy(torch_engine)
     got = _greedy(Engine(cfg.replace(attention_backend=name), share_weights_with=torch_engine))
@@ -426,12 +526,20 @@ def test_cuda_flash_backend_matches_reference() -> None:
     from cbgen.attention.flash_backend import FlashAttentionBackend
 
     meta, query, key, value = _mixed_meta()
-    meta = AttentionMetadata(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(meta).items()})
+    meta = AttentionMetadata(
+        **{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(meta).items()}
+    )
     cache = torch.randn(2, 6, 16, 2, 32, dtype=torch.bfloat16, device="cuda")
     want_cache = cache.clone()
     torch_backend.write_kv_cache(key.cuda(), value.cuda(), want_cache, meta.slot_mapping)
-    want = torch_backend.paged_attention(query.cuda().float(), want_cache.float(), meta.block_table,
-                                         meta.query_start_loc, meta.seq_lens, 0.2)
+    want = torch_backend.paged_attention(
+        query.cuda().float(),
+        want_cache.float(),
+        meta.block_table,
+        meta.query_start_loc,
+        meta.seq_lens,
+        0.2,
+    )
     be = FlashAttentionBackend()
     be.prepare(meta)
     got = be.forward(query.cuda(), key.cuda(), value.cuda(), cache, meta, 0.2)
@@ -443,8 +551,15 @@ def test_cuda_flash_backend_matches_reference() -> None:
 def test_cuda_profile_sizes_the_kv_cache() -> None:
     """bf16 by default; the KV cache gets what gpu_memory_utilization leaves after weights and
     the activations of a full-budget step (a few GiB at most for a 1B model)."""
-    engine = Engine(EngineConfig(model="llama-1b", load_format="dummy", device="cuda", max_model_len=4096,
-                                 gpu_memory_utilization=0.5))
+    engine = Engine(
+        EngineConfig(
+            model="llama-1b",
+            load_format="dummy",
+            device="cuda",
+            max_model_len=4096,
+            gpu_memory_utilization=0.5,
+        )
+    )
     assert engine.dtype == torch.bfloat16
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv = engine.num_blocks * engine.kv_bytes_per_block

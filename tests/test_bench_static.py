@@ -14,9 +14,18 @@ from cbgen.engine.outputs import RequestOutput
 from cbgen.engine.static_scheduler import PAD_ID_PREFIX
 
 TINY_LLAMA = dict(
-    model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
-    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, eos_token_id=2,
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    eos_token_id=2,
 )
 
 
@@ -25,11 +34,15 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     """A tiny dummy-weight llama (no tokenizer: token-id prompts), loaded once."""
     folder = tmp_path_factory.mktemp("tiny-static")
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return Engine(EngineConfig(model=str(folder), load_format="dummy", kv_cache_memory=4 << 20, num_threads=1))
+    return Engine(
+        EngineConfig(model=str(folder), load_format="dummy", kv_cache_memory=4 << 20, num_threads=1)
+    )
 
 
 def make_engine(weights: Engine, **overrides: Any) -> Engine:
-    cfg = weights.config.replace(**{"block_size": 4, "max_num_batched_tokens": 512, "max_num_seqs": 8, **overrides})
+    cfg = weights.config.replace(
+        **{"block_size": 4, "max_num_batched_tokens": 512, "max_num_seqs": 8, **overrides}
+    )
     return Engine(cfg, share_weights_with=weights)
 
 
@@ -38,7 +51,14 @@ SPECS = [(5, 4), (9, 2), (3, 6), (4, 3)]
 FIRST_TOKEN = [10, 100, 200, 300]
 
 
-def run(engine: Engine) -> tuple[list[list[tuple[str, int, int, bool]]], list[list[int]], dict[str, tuple[int, RequestOutput]], list[int]]:
+def run(
+    engine: Engine,
+) -> tuple[
+    list[list[tuple[str, int, int, bool]]],
+    list[list[int]],
+    dict[str, tuple[int, RequestOutput]],
+    list[int],
+]:
     """Per step: what was scheduled (id, computed, new, samples), the positions the runner
     computed; per request: the step it came back in and its output; slots held per step."""
     scheduled: list[list[tuple[str, int, int, bool]]] = []
@@ -46,14 +66,23 @@ def run(engine: Engine) -> tuple[list[list[tuple[str, int, int, bool]]], list[li
     prepare = engine.runner.prepare_inputs
 
     def spy(out: Any) -> Any:
-        scheduled.append([(s.request_id, s.num_computed_tokens, s.num_new_tokens, s.will_sample) for s in out.scheduled])
+        scheduled.append(
+            [
+                (s.request_id, s.num_computed_tokens, s.num_new_tokens, s.will_sample)
+                for s in out.scheduled
+            ]
+        )
         result = prepare(out)
         positions.append(result[1].tolist())
         return result
 
     engine.runner.prepare_inputs = spy  # type: ignore[method-assign]
     for i, ((n, out_len), first) in enumerate(zip(SPECS, FIRST_TOKEN, strict=True)):
-        engine.add_request(f"r{i}", list(range(first, first + n)), SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0))
+        engine.add_request(
+            f"r{i}",
+            list(range(first, first + n)),
+            SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0),
+        )
     done: dict[str, tuple[int, RequestOutput]] = {}
     running: list[int] = []
     step = 0
@@ -84,7 +113,11 @@ def test_static_pads_and_waits_for_the_slowest_member(weights: Engine) -> None:
     ]
     assert positions[0] == [*range(4), *range(6), *range(5), *range(9), *range(3)]
     for k in range(1, 6):  # steps 2..6: every member computes one token, done or not
-        assert scheduled[k] == [("r0", 4 + k, 1, True), ("r1", 8 + k, 1, True), ("r2", 2 + k, 1, True)]
+        assert scheduled[k] == [
+            ("r0", 4 + k, 1, True),
+            ("r1", 8 + k, 1, True),
+            ("r2", 2 + k, 1, True),
+        ]
         assert positions[k] == [4 + k, 8 + k, 2 + k]
     # Batch 2 = r3 alone, only once batch 1 has fully finished.
     assert scheduled[6] == [("r3", 0, 4, True)]
@@ -117,7 +150,12 @@ def test_static_pads_and_waits_for_the_slowest_member(weights: Engine) -> None:
 def test_continuous_neither_pads_nor_waits(weights: Engine) -> None:
     engine = make_engine(weights)
     scheduled, _, done, _ = run(engine)
-    assert scheduled[0] == [("r0", 0, 5, True), ("r1", 0, 9, True), ("r2", 0, 3, True), ("r3", 0, 4, True)]
+    assert scheduled[0] == [
+        ("r0", 0, 5, True),
+        ("r1", 0, 9, True),
+        ("r2", 0, 3, True),
+        ("r3", 0, 4, True),
+    ]
     assert {rid: step for rid, (step, _) in done.items()} == {"r0": 4, "r1": 2, "r2": 6, "r3": 3}
     assert sum(n for step in scheduled for _, _, n, _ in step) == 21 + (3 + 1 + 5 + 2)
 
@@ -139,7 +177,11 @@ def test_static_pads_wait_for_runner_rows(weights: Engine) -> None:
 def test_static_abort_leaves_the_batch(weights: Engine) -> None:
     engine = make_engine(weights, scheduling_policy="static", static_batch_size=3)
     for i, ((n, out_len), first) in enumerate(zip(SPECS, FIRST_TOKEN, strict=True)):
-        engine.add_request(f"r{i}", list(range(first, first + n)), SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0))
+        engine.add_request(
+            f"r{i}",
+            list(range(first, first + n)),
+            SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0),
+        )
     engine.step()
     aborted = engine.abort(["r2"])  # the slowest member goes: the batch now ends with r0
     assert [o.finish_reason for o in aborted] == ["abort"]
@@ -160,9 +202,10 @@ def test_static_batch_is_cut_where_the_padded_rows_would_not_fit(weights: Engine
     its end; the cache below holds r0 + r1 padded but not r2 as well."""
     block_bytes = weights.kv_bytes_per_block // 4  # block_size 4 instead of 16
     # r0 and r1 padded to 9, run to 4 tokens: blocks(5+4) + blocks(4) + blocks(9+4) = 3 + 1 + 4
-    engine = make_engine(weights, scheduling_policy="static", static_batch_size=3, kv_cache_memory=8 * block_bytes)
+    engine = make_engine(
+        weights, scheduling_policy="static", static_batch_size=3, kv_cache_memory=8 * block_bytes
+    )
     _, _, done, _ = run(engine)
     assert {rid: step for rid, (step, _) in done.items()} == {"r0": 4, "r1": 4, "r2": 10, "r3": 10}
     assert [done[f"r{i}"][1].num_output_tokens for i in range(4)] == [4, 2, 6, 3]
     assert engine.total_preemptions == 0
-

@@ -12,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "cbgen"
 
+
 def module_names() -> dict[str, Path]:
     names = {}
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -58,7 +59,9 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
                     anchor = name.split(".") if is_package else name.split(".")[:-1]
                     anchor = anchor[: len(anchor) - (imp.level - 1)]
                     base = ".".join([*anchor, *([base] if base else [])])
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in imp.names]
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in imp.names
+                ]
             edges.update(t for t in targets if t in modules and t != name)
         graph[name] = edges
     return graph
@@ -123,5 +126,7 @@ def test_every_module_imports_on_its_own() -> None:
         "print('\\n'.join(failed))\n"
         "sys.exit(1 if failed else 0)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -20,7 +20,31 @@ from cbgen.llm import LLM
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
-SHARED = [17, 3, 99, 42, 250, 8, 61, 77, 190, 12, 5, 33, 201, 14, 90, 6, 123, 45, 2, 71, 88, 19, 64]  # 23 tokens: 5 full blocks + 3
+SHARED = [
+    17,
+    3,
+    99,
+    42,
+    250,
+    8,
+    61,
+    77,
+    190,
+    12,
+    5,
+    33,
+    201,
+    14,
+    90,
+    6,
+    123,
+    45,
+    2,
+    71,
+    88,
+    19,
+    64,
+]  # 23 tokens: 5 full blocks + 3
 PROMPTS = [
     [*SHARED, 11, 12, 13, 14, 15, 16],
     [*SHARED, 21, 22],
@@ -58,7 +82,9 @@ def base(tiny_model_dir: Callable[[str], Path]) -> Engine:
     )
 
 
-def run(base: Engine, batches: Sequence[Sequence[Sequence[int]]], **overrides: Any) -> tuple[Engine, list[list[RequestOutput]]]:
+def run(
+    base: Engine, batches: Sequence[Sequence[Sequence[int]]], **overrides: Any
+) -> tuple[Engine, list[list[RequestOutput]]]:
     """Each batch is one generate call on one fresh engine (so later batches can hit earlier ones)."""
     engine = Engine(base.config.replace(**overrides), share_weights_with=base)
     llm = LLM(engine=engine)
@@ -83,11 +109,16 @@ def test_caching_on_equals_off_and_counts_exactly_the_shared_tokens(base: Engine
     # and all but its last output token were computed) and the full blocks of the prompts
     # admitted before them in the same step, which are cached as soon as they are scheduled
     computed = first + on[0][0].output_token_ids[:-1]
-    full = [max(expected_cached(p, seen) for seen in [computed, *rest[:i]]) for i, p in enumerate(rest)]
+    full = [
+        max(expected_cached(p, seen) for seen in [computed, *rest[:i]]) for i, p in enumerate(rest)
+    ]
     assert full == [20, 4, 12, 16, 0, 28]
     # then a partial hit: the first tokens of the 1st call's block after the last full hit
     # (blocks of this step's prompts are not written yet), below the prompt's last token
-    partial = [min(common_prefix(p[n:], computed[n : n + BS]), len(p) - 1 - n) for p, n in zip(rest, full, strict=True)]
+    partial = [
+        min(common_prefix(p[n:], computed[n : n + BS]), len(p) - 1 - n)
+        for p, n in zip(rest, full, strict=True)
+    ]
     assert partial == [3, 2, 0, 3, 0, 1 + common_prefix([7] * 3, on[0][0].output_token_ids[:3])]
     want = [f + p for f, p in zip(full, partial, strict=True)]
     assert [o.num_cached_tokens for o in on[1]] == want
@@ -124,7 +155,9 @@ def test_caching_on_equals_off_across_preemptions(base: Engine) -> None:
 
 def test_reset_prefix_cache_makes_the_next_request_start_cold(base: Engine) -> None:
     engine, outs = run(base, [[PROMPTS[0]], [PROMPTS[0]]])
-    assert outs[1][0].num_cached_tokens == 28  # its 7 full blocks; the 8th holds only its last token
+    assert (
+        outs[1][0].num_cached_tokens == 28
+    )  # its 7 full blocks; the 8th holds only its last token
     engine.reset_prefix_cache()
     again = LLM(engine=engine).generate([PROMPTS[0]], GREEDY)
     assert again[0].num_cached_tokens == 0
@@ -151,7 +184,12 @@ def test_smollm2_caching_on_equals_off(smollm2_engine: Engine) -> None:
     and a KV cache small enough to preempt with or without sharing."""
     e = smollm2_engine
     bs = e.config.block_size
-    prompts = [e.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = [
+        e.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        )
+        for q in QUESTIONS
+    ]
     prompts.append(prompts[0])
     assert common_prefix(prompts[0], prompts[1]) % bs != 0
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -159,9 +197,14 @@ def test_smollm2_caching_on_equals_off(smollm2_engine: Engine) -> None:
     kv = e.kv_bytes_per_block * (-(-longest // bs) + 2)  # one request and 2 blocks
     results = {}
     for caching in (False, True):
-        engine = Engine(e.config.replace(enable_prefix_caching=caching, kv_cache_memory=kv, num_threads=1), share_weights_with=e)
+        engine = Engine(
+            e.config.replace(enable_prefix_caching=caching, kv_cache_memory=kv, num_threads=1),
+            share_weights_with=e,
+        )
         llm = LLM(engine=engine)
-        outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)  # 2nd call reuses the 1st's blocks
+        outs = llm.generate(prompts[:1], params) + llm.generate(
+            prompts[1:], params
+        )  # 2nd call reuses the 1st's blocks
         assert engine.total_preemptions > 0
         results[caching] = ([o.output_token_ids for o in outs], [o.num_cached_tokens for o in outs])
     assert results[True][0] == results[False][0]

@@ -137,12 +137,25 @@ class Row:
 
 def rows(out: SchedulerOutput) -> list[Row]:
     return [
-        Row(s.request_id, s.num_computed_tokens, s.num_new_tokens, s.new_block_ids, s.will_sample, s.new_token_ids is not None)
+        Row(
+            s.request_id,
+            s.num_computed_tokens,
+            s.num_new_tokens,
+            s.new_block_ids,
+            s.will_sample,
+            s.new_token_ids is not None,
+        )
         for s in out.scheduled
     ]
 
 
-def check_step(sched: Scheduler, out: SchedulerOutput, running: list[str], waiting: list[str], num_tokens: dict[str, int]) -> None:
+def check_step(
+    sched: Scheduler,
+    out: SchedulerOutput,
+    running: list[str],
+    waiting: list[str],
+    num_tokens: dict[str, int],
+) -> None:
     """The invariants of one step, given the queues and token counts just before it."""
     kv = sched.kv
     assert not out.is_empty, "a step with unfinished requests scheduled nothing"
@@ -228,7 +241,12 @@ def test_chunked_prefill_exact_boundaries_and_block_ids() -> None:
         [Row("a", 16, 4, (4,), True, False)],
         [Row("a", 20, 1, (5,), True, False)],  # token 21 opens block 5
     ]
-    assert [(s.num_prefill_tokens, s.num_decode_tokens) for s in steps] == [(8, 0), (8, 0), (4, 0), (0, 1)]
+    assert [(s.num_prefill_tokens, s.num_decode_tokens) for s in steps] == [
+        (8, 0),
+        (8, 0),
+        (4, 0),
+        (0, 1),
+    ]
     assert a.output_token_ids == [default_token("a", 0), default_token("a", 1)]
     assert a.status == RequestStatus.FINISHED_LENGTH
 
@@ -241,8 +259,16 @@ def test_running_first_then_fcfs_admission_share_the_budget() -> None:
         # a whole; b gets the 4 tokens left; c waits (no budget)
         [Row("a", 0, 6, (0, 1), True, True), Row("b", 0, 4, (2,), False, True)],
         # running first: a decodes, b finishes its prompt; c admitted from the 7 left
-        [Row("a", 6, 1, (), True, False), Row("b", 4, 2, (3,), True, False), Row("c", 0, 3, (4,), True, True)],
-        [Row("a", 7, 1, (), True, False), Row("b", 6, 1, (), True, False), Row("c", 3, 1, (), True, False)],
+        [
+            Row("a", 6, 1, (), True, False),
+            Row("b", 4, 2, (3,), True, False),
+            Row("c", 0, 3, (4,), True, True),
+        ],
+        [
+            Row("a", 7, 1, (), True, False),
+            Row("b", 6, 1, (), True, False),
+            Row("c", 3, 1, (), True, False),
+        ],
         [Row("b", 7, 1, (), True, False), Row("c", 4, 1, (5,), True, False)],  # a finished
         [Row("c", 5, 1, (), True, False)],
     ]
@@ -259,7 +285,12 @@ def test_slots_limit_admission() -> None:
 def test_preemption_victim_is_last_admitted_and_no_admission_that_step() -> None:
     # 6 blocks of 4 tokens: a (8), b (8) and c (7) fill them; a's first decode needs a 7th
     sched = make_scheduler(num_blocks=6)
-    a, b, c, d = (make_request("a", 8), make_request("b", 8), make_request("c", 7), make_request("d", 1))
+    a, b, c, d = (
+        make_request("a", 8),
+        make_request("b", 8),
+        make_request("c", 7),
+        make_request("d", 1),
+    )
     for r in (a, b, c, d):
         sched.add_request(r)
     runner = FakeRunner(sched)
@@ -296,7 +327,12 @@ def test_preemption_victim_is_last_admitted_and_no_admission_that_step() -> None
     assert c.output_token_ids[:2] == [default_token("c", 0), default_token("c", 1)]
     while sched.has_unfinished():
         step()
-    assert (a.num_preemptions, b.num_preemptions, c.num_preemptions, d.num_preemptions) == (0, 0, 1, 0)
+    assert (a.num_preemptions, b.num_preemptions, c.num_preemptions, d.num_preemptions) == (
+        0,
+        0,
+        1,
+        0,
+    )
     assert sched.kv.num_free_blocks == 6
 
 
@@ -330,8 +366,16 @@ def test_without_chunked_prefill_a_recompute_longer_than_the_budget_is_chunked()
     # step 4: a decodes (1 token), b comes back with the 7 tokens left of the budget (into its
     # own freed blocks 3, 2); step 5: a needs a 3rd block and b, last admitted, goes again;
     # step 8: a has finished and b recomputes 8 of its 9 tokens, then the 9th and samples
-    readmissions = [(i, s) for i, step in enumerate(steps) for s in step.scheduled if s.new_token_ids is not None]
-    assert [(i, s.request_id, s.num_computed_tokens, s.num_new_tokens, s.new_block_ids) for i, s in readmissions[2:]] == [
+    readmissions = [
+        (i, s)
+        for i, step in enumerate(steps)
+        for s in step.scheduled
+        if s.new_token_ids is not None
+    ]
+    assert [
+        (i, s.request_id, s.num_computed_tokens, s.num_new_tokens, s.new_block_ids)
+        for i, s in readmissions[2:]
+    ] == [
         (4, "b", 0, 7, (3, 2)),
         (8, "b", 0, 8, (3, 2)),
     ]
@@ -348,7 +392,10 @@ def test_shared_prefix_is_taken_from_the_cache_with_exact_block_ids() -> None:
     steps = run(sched, [a, twin], runner)
     # admitted in the same step: a's full blocks are cached as soon as they are scheduled, so
     # twin shares them at once and computes only its last partial block
-    assert rows(steps[0]) == [Row("a", 0, 10, (0, 1, 2), True, True), Row("twin", 8, 2, (0, 1, 3), True, True)]
+    assert rows(steps[0]) == [
+        Row("a", 0, 10, (0, 1, 2), True, True),
+        Row("twin", 8, 2, (0, 1, 3), True, True),
+    ]
     assert steps[0].num_cached_tokens == 8
     # blocks 4.. were never used, so they head the free queue; 0 and 1 stay cached
     b = make_request("b", [*p[:8], 7, 7], 2)
@@ -375,7 +422,10 @@ def test_a_prefix_ending_inside_a_block_is_copied_down_to_the_token() -> None:
     assert runner.num_context_reads - reads == 6  # checked slot by slot, copies included
     # admitted in the same step as c, d shares c's first block (cached when scheduled) but no
     # partial hit from c's second: its K/V is not written before this step runs
-    c, d = make_request("c", [90, 91, 92, 93, 94, 95, 96, 97], 1), make_request("d", [90, 91, 92, 93, 94, 95, 9], 1)
+    c, d = (
+        make_request("c", [90, 91, 92, 93, 94, 95, 96, 97], 1),
+        make_request("d", [90, 91, 92, 93, 94, 95, 9], 1),
+    )
     step = run(sched, [c, d], runner)[0]
     assert [(s.num_computed_tokens, s.kv_copy) for s in step.scheduled] == [(0, None), (4, None)]
 
@@ -450,8 +500,22 @@ def workloads(draw: st.DrawFn) -> tuple[dict[str, object], list[tuple[int, int, 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 # without chunked prefill, a request preempted holding more tokens than the budget
-@example(({"num_blocks": 4, "max_num_seqs": 2, "max_num_batched_tokens": 8, "block_size": 4, "chunked": False, "caching": False}, [(4, 8, 0), (7, 8, 1)]))
-def test_random_workloads_keep_every_invariant(work: tuple[dict[str, object], list[tuple[int, int, int]]]) -> None:
+@example(
+    (
+        {
+            "num_blocks": 4,
+            "max_num_seqs": 2,
+            "max_num_batched_tokens": 8,
+            "block_size": 4,
+            "chunked": False,
+            "caching": False,
+        },
+        [(4, 8, 0), (7, 8, 1)],
+    )
+)
+def test_random_workloads_keep_every_invariant(
+    work: tuple[dict[str, object], list[tuple[int, int, int]]],
+) -> None:
     cfg, specs = work
     sched = make_scheduler(**cfg)  # type: ignore[arg-type]
     prefixes = [[900 + 3 * j + i % 3 for i in range(24)] for j in range(3)]
@@ -460,9 +524,11 @@ def test_random_workloads_keep_every_invariant(work: tuple[dict[str, object], li
         if group == 3:
             prompt = list(range(500, 500 + plen))
         else:
-            prompt = [*(prefixes[group] + [i] * 40)[:plen - 1], 10000 + i]
+            prompt = [*(prefixes[group] + [i] * 40)[: plen - 1], 10000 + i]
         reqs.append(make_request(f"r{i}", prompt, max_tokens))
     run(sched, reqs)
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH
-        assert r.output_token_ids == [default_token(r.request_id, j) for j in range(r.sampling_params.max_tokens)]
+        assert r.output_token_ids == [
+            default_token(r.request_id, j) for j in range(r.sampling_params.max_tokens)
+        ]

@@ -61,7 +61,9 @@ def plan_attention(
     slot_mapping: torch.Tensor | None = None,
 ) -> CpuPlan:
     """The reference's plan, and which tokens the decode kernel takes (see NativePlan)."""
-    reference = torch_backend.plan_attention(block_table, query_start_loc, seq_lens, block_size, slot_mapping)
+    reference = torch_backend.plan_attention(
+        block_table, query_start_loc, seq_lens, block_size, slot_mapping
+    )
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     left = {p[0]: p for p in reference.prefills}
@@ -100,7 +102,9 @@ def plan_attention(
     return CpuPlan(reference, nat)
 
 
-def attend(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: float) -> torch.Tensor:
+def attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: float
+) -> torch.Tensor:
     """Attention of query [T, H, D] over the paged cache: the kernels in float32, the torch
     reference for the rest (see the module docstring)."""
     if not query.dtype == kv_cache.dtype == torch.float32:
@@ -110,7 +114,9 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: fl
     prefills = nat.prefills
     if nat.tokens.numel():
         all_native = nat.tokens.shape[0] == query.shape[0]  # then row i is token i
-        o = native.paged_decode_f32(query if all_native else query[nat.tokens], kv_cache, nat.blocks, nat.seq_lens, scale)
+        o = native.paged_decode_f32(
+            query if all_native else query[nat.tokens], kv_cache, nat.blocks, nat.seq_lens, scale
+        )
         if o is not None and all_native:
             return o
         out = torch.empty_like(query)
@@ -125,7 +131,11 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: fl
         start, end = chunk[0], chunk[1]
         keys, values = torch_backend.gather_context(kv_cache, chunk)
         o = native.prefill_attention_f32(query[start:end], keys, values, scale)
-        out[start:end] = o if o is not None else torch_backend.attend_chunk(query[start:end], keys, values, scale)
+        out[start:end] = (
+            o
+            if o is not None
+            else torch_backend.attend_chunk(query[start:end], keys, values, scale)
+        )
     return out
 
 
@@ -136,9 +146,15 @@ class CpuAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.block_table.device.type != "cpu":
-            raise ValueError(f"attention_backend: cpu runs on the CPU, not {meta.block_table.device}")
+            raise ValueError(
+                f"attention_backend: cpu runs on the CPU, not {meta.block_table.device}"
+            )
         meta.state = plan_attention(
-            meta.block_table, meta.query_start_loc, meta.seq_lens, meta.block_size, meta.slot_mapping
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_size,
+            meta.slot_mapping,
         )
 
     def forward(
@@ -152,5 +168,7 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan: CpuPlan = meta.state
         if not native.write_kv_f32(key, value, kv_cache, meta.slot_mapping):
-            torch_backend.write_kv_cache(key, value, kv_cache, meta.slot_mapping, plan.reference.may_have_negative)
+            torch_backend.write_kv_cache(
+                key, value, kv_cache, meta.slot_mapping, plan.reference.may_have_negative
+            )
         return attend(query, kv_cache, plan, scale)

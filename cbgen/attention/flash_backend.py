@@ -99,7 +99,9 @@ class FlashAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         why = flash_fits(query.dtype, None)
         if why is not None:
-            raise ValueError(f"attention_backend: {why} (use --dtype bfloat16 or --attention-backend triton)")
+            raise ValueError(
+                f"attention_backend: {why} (use --dtype bfloat16 or --attention-backend triton)"
+            )
         self.write_kv(key, value, kv_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         extra: dict[str, Any] = {} if self.fa_version is None else {"fa_version": self.fa_version}

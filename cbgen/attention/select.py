@@ -1,8 +1,8 @@
 """Which attention backend runs: the auto choice, and why an explicit choice cannot run.
 
-    auto on CUDA   flash when vllm_flash_attn imports and takes the dtype and block size,
-                   else triton when it imports, else torch
-    auto elsewhere cpu (the C kernels, the torch path where they cannot run)
+auto on CUDA   flash when vllm_flash_attn imports and takes the dtype and block size,
+               else triton when it imports, else torch
+auto elsewhere cpu (the C kernels, the torch path where they cannot run)
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def resolve_backend_name(
             return "triton"
         return "cpu" if device.type == "cpu" else "torch"
     if requested == "cpu" and device.type != "cpu":
-        raise ValueError(f"attention_backend: cpu runs on the CPU, not {device.type}; use auto or torch")
+        raise ValueError(
+            f"attention_backend: cpu runs on the CPU, not {device.type}; use auto or torch"
+        )
     if requested == "flash":
         if not is_cuda:
             raise ValueError("attention_backend: flash needs a CUDA device")

@@ -43,8 +43,12 @@ def write_kv_cache(
     if may_have_negative and slot_mapping.numel() and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping, key.to(kv_cache.dtype)
+    )
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slot_mapping, value.to(kv_cache.dtype)
+    )
 
 
 PrefillChunk = tuple[int, int, int, torch.Tensor]
@@ -90,9 +94,9 @@ def plan_attention(
         dec_lens = seq_lens[rows]
         nb = -(-max(lens[i] for i in decode_rows) // block_size)
         decode_blocks = block_table[rows, :nb]
-        decode_mask = (
-            torch.arange(nb * block_size, device=device)[None, :] < dec_lens[:, None]
-        )[:, None, None, :]
+        decode_mask = (torch.arange(nb * block_size, device=device)[None, :] < dec_lens[:, None])[
+            :, None, None, :
+        ]
         decode_tokens = query_start_loc[rows].long()
         decode_seq_lens = dec_lens
     else:
@@ -103,11 +107,17 @@ def plan_attention(
     may_have_negative = True
     if slot_mapping is not None:
         may_have_negative = bool((slot_mapping < 0).any()) if slot_mapping.numel() else False
-    return AttentionPlan(decode_tokens, decode_blocks, decode_mask, decode_seq_lens, prefills, may_have_negative)
+    return AttentionPlan(
+        decode_tokens, decode_blocks, decode_mask, decode_seq_lens, prefills, may_have_negative
+    )
 
 
 def attend_decodes(
-    query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float, out: torch.Tensor
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
     """Write into out [T, H, D] the attention of the plan's decode tokens (one SDPA call)."""
     if not plan.decode_tokens.numel():
@@ -120,17 +130,23 @@ def attend_decodes(
     q = query[plan.decode_tokens].view(bd, num_kv_heads, group, head_dim)
     k = kv_cache[0][plan.decode_blocks].flatten(1, 2).transpose(1, 2)  # [Bd, Hkv, L, D]
     v = kv_cache[1][plan.decode_blocks].flatten(1, 2).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask, scale=scale)
+    o = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask, scale=scale
+    )
     out[plan.decode_tokens] = o.reshape(bd, num_heads, head_dim)
 
 
-def gather_context(kv_cache: torch.Tensor, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(
+    kv_cache: torch.Tensor, chunk: PrefillChunk
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values [seq_len, Hkv, D] a prefill chunk attends to, in position order."""
     _, _, seq_len, blocks = chunk
     return kv_cache[0][blocks].flatten(0, 1)[:seq_len], kv_cache[1][blocks].flatten(0, 1)[:seq_len]
 
 
-def attend_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_chunk(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Causal attention of a chunk's query [Q, H, D] (positions L - Q .. L - 1) over its keys
     and values [L, Hkv, D]: [Q, H, D]."""
     qlen, num_heads, _ = query.shape
@@ -144,14 +160,25 @@ def attend_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     mask = None  # no cached context: the plain causal mask
     if ctx:  # query j (position ctx + j) sees keys k <= ctx + j
         dev = query.device
-        mask = torch.arange(seq_len, device=dev)[None, :] <= ctx + torch.arange(qlen, device=dev)[:, None]
+        mask = (
+            torch.arange(seq_len, device=dev)[None, :]
+            <= ctx + torch.arange(qlen, device=dev)[:, None]
+        )
     o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads > num_kv_heads
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=num_heads > num_kv_heads,
     )
     return o[0].transpose(0, 1)
 
 
-def attend(query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+def attend(
+    query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float
+) -> torch.Tensor:
     """Attention of query [T, H, D] over the paged cache, following a plan."""
     out = torch.empty_like(query)
     attend_decodes(query, kv_cache, plan, scale, out)
@@ -182,7 +209,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.state = plan_attention(
-            meta.block_table, meta.query_start_loc, meta.seq_lens, meta.block_size, meta.slot_mapping
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_size,
+            meta.slot_mapping,
         )
 
     def forward(

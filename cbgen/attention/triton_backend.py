@@ -56,7 +56,9 @@ class TritonPlan:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_sms: int | None = None, min_keys_per_split: int = 256, max_splits: int = 16) -> None:
+    def __init__(
+        self, num_sms: int | None = None, min_keys_per_split: int = 256, max_splits: int = 16
+    ) -> None:
         """num_sms: the GPU's SM count (None: asked of the device at the first step);
         min_keys_per_split, max_splits: bounds of the split-KV policy (choose_num_splits)."""
         import cbgen_kernels
@@ -73,8 +75,12 @@ class TritonAttentionBackend(AttentionBackend):
         if self.num_sms is None:
             self.num_sms = self.kernels.num_sms(meta.seq_lens.device)
         return self.kernels.choose_num_splits(
-            meta.seq_lens.shape[0], num_kv_heads, meta.max_seq_len, self.num_sms,
-            self.min_keys_per_split, self.max_splits,
+            meta.seq_lens.shape[0],
+            num_kv_heads,
+            meta.max_seq_len,
+            self.num_sms,
+            self.min_keys_per_split,
+            self.max_splits,
         )
 
     def forward(
@@ -93,13 +99,29 @@ class TritonAttentionBackend(AttentionBackend):
             plan.num_splits = self._num_splits(meta, kv_cache.shape[-2]) if plan.decode_only else 1
         if plan.num_splits == 1:
             return k.paged_attention(
-                query, kv_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale,
+                query,
+                kv_cache,
+                meta.block_table,
+                meta.query_start_loc,
+                meta.seq_lens,
+                scale,
                 max_query_len=meta.max_query_len,
             )
         num_tokens, num_heads, head_dim = query.shape
-        if plan.workspace is None or not plan.workspace.fits(plan.num_splits, num_tokens, num_heads, head_dim):
-            plan.workspace = k.SplitWorkspace.allocate(plan.num_splits, num_tokens, num_heads, head_dim, query.device)
+        if plan.workspace is None or not plan.workspace.fits(
+            plan.num_splits, num_tokens, num_heads, head_dim
+        ):
+            plan.workspace = k.SplitWorkspace.allocate(
+                plan.num_splits, num_tokens, num_heads, head_dim, query.device
+            )
         return k.paged_attention_split_kv(
-            query, kv_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale,
-            num_splits=plan.num_splits, max_query_len=meta.max_query_len, workspace=plan.workspace,
+            query,
+            kv_cache,
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            num_splits=plan.num_splits,
+            max_query_len=meta.max_query_len,
+            workspace=plan.workspace,
         )

@@ -91,7 +91,10 @@ def bench_params(request: BenchRequest, index: int, seed: int) -> SamplingParams
     """Exactly output_len tokens whatever the model says; seeded sampling at temperature 1
     (the usual throughput-benchmark setting), so that a run can be repeated."""
     return SamplingParams(
-        max_tokens=request.output_len, ignore_eos=True, temperature=1.0, seed=seed * 1_000_003 + index
+        max_tokens=request.output_len,
+        ignore_eos=True,
+        temperature=1.0,
+        seed=seed * 1_000_003 + index,
     )
 
 
@@ -109,7 +112,9 @@ def warm_up(engine: Engine, num_requests: int, seed: int) -> float:
     for i in range(num_requests):
         ids = [int(t) for t in rng.integers(0, vocab, size=prompt_len)]
         try:
-            engine.add_request(f"warmup-{i}", ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=i))
+            engine.add_request(
+                f"warmup-{i}", ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=i)
+            )
         except ValueError:
             break  # a KV cache too small for this warm-up request: warm up with fewer
     while engine.has_unfinished_requests():
@@ -164,7 +169,9 @@ def run_workload(
             r = requests[i]
             arrival = start + arrivals[i]
             try:
-                req = engine.add_request(r.request_id, r.prompt_token_ids, bench_params(r, i, seed), arrival)
+                req = engine.add_request(
+                    r.request_id, r.prompt_token_ids, bench_params(r, i, seed), arrival
+                )
             except ValueError as e:
                 records[r.request_id] = _error_record(r, arrivals[i], str(e))
                 continue

@@ -1,7 +1,7 @@
 """Engine: add_request, step, and everything discovered at start-up (device, KV blocks, EOS).
 
-    step():  schedule -> runner.execute -> scheduler.update_from_output -> stop strings
-             -> StepOutput(finished requests, stats)
+step():  schedule -> runner.execute -> scheduler.update_from_output -> stop strings
+         -> StepOutput(finished requests, stats)
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ class Engine:
     ) -> None:
         """share_weights_with: reuse another engine's model and tokenizer (same model, device
         and dtype), e.g. to compare scheduling settings without loading twice."""
-        config = (config or EngineConfig()).replace(**options) if options else (config or EngineConfig())
+        config = (
+            (config or EngineConfig()).replace(**options) if options else (config or EngineConfig())
+        )
         self.config = config
         t0 = time.perf_counter()
         self.device = resolve_device(config.device)
@@ -76,7 +78,9 @@ class Engine:
         limit = mc.max_position_embeddings
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
-            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's limit of {limit}")
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's limit of {limit}"
+            )
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a prompt must fit in one step's budget.
             self.max_prompt_len = config.max_num_batched_tokens
@@ -90,14 +94,22 @@ class Engine:
         if share_weights_with is not None:
             other = share_weights_with
             if (other.source, other.dtype, other.device) != (self.source, self.dtype, self.device):
-                raise ValueError("share_weights_with: the other engine has another model, dtype or device")
+                raise ValueError(
+                    "share_weights_with: the other engine has another model, dtype or device"
+                )
             if other.max_model_len < self.max_model_len:
                 raise ValueError("share_weights_with: the other engine has a shorter max_model_len")
             self.tokenizer, self.model = other.tokenizer, other.model
         else:
             self.tokenizer = load_tokenizer(self.source)
             self.model = load_model(
-                self.source, mc, self.dtype, self.device, self.max_model_len, config.load_format, config.seed
+                self.source,
+                mc,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                config.load_format,
+                config.seed,
             )
         self.load_time_s = time.perf_counter() - t0
         self.num_blocks = self._num_kv_blocks()
@@ -105,12 +117,19 @@ class Engine:
         self.scheduler: Scheduler
         if config.scheduling_policy == "static":
             self.scheduler = StaticScheduler(
-                self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-                static_batch_size=config.static_batch_size, max_model_len=self.max_model_len,
+                self.kv,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.enable_chunked_prefill,
+                static_batch_size=config.static_batch_size,
+                max_model_len=self.max_model_len,
             )
         else:
             self.scheduler = Scheduler(
-                self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+                self.kv,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.enable_chunked_prefill,
             )
         self.runner = ModelRunner(
             self.model,
@@ -135,7 +154,14 @@ class Engine:
     def kv_bytes_per_block(self) -> int:
         mc = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.config.block_size * mc.num_key_value_heads * mc.head_dim * elem * mc.num_hidden_layers
+        return (
+            2
+            * self.config.block_size
+            * mc.num_key_value_heads
+            * mc.head_dim
+            * elem
+            * mc.num_hidden_layers
+        )
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -165,7 +191,9 @@ class Engine:
     def _profile_cuda_kv_budget(self) -> int:
         """Run one forward pass at the full token budget, then give the KV cache what is left
         of gpu_memory_utilization x total memory."""
-        peak = profile_peak_memory(self.model, self.backend, self.config, self.max_model_len, self.dtype, self.device)
+        peak = profile_peak_memory(
+            self.model, self.backend, self.config, self.max_model_len, self.dtype, self.device
+        )
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = int(total * self.config.gpu_memory_utilization) - peak
         if budget <= 0:
@@ -194,7 +222,9 @@ class Engine:
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: give a plain prompt")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def add_request(
@@ -211,11 +241,17 @@ class Engine:
         elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
             token_ids = list(cast(Sequence[int], prompt))
         else:
-            raise ValueError(f"prompt: must be text or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"prompt: must be text or a list of token ids, got {type(prompt).__name__}"
+            )
         self.validate_request(token_ids, params)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + self._request_counter
+        seed = (
+            params.seed
+            if params.seed is not None
+            else self.config.seed * 1_000_003 + self._request_counter
+        )
         self._request_counter += 1
         req = Request(
             request_id=request_id,
@@ -243,7 +279,11 @@ class Engine:
         if n > self.max_prompt_len:
             raise ValueError(
                 f"prompt: {n} tokens is longer than the {self.max_prompt_len} this engine allows"
-                + (" (max_model_len)" if self.max_prompt_len == self.max_model_len else " (max_num_batched_tokens without chunked prefill)")
+                + (
+                    " (max_model_len)"
+                    if self.max_prompt_len == self.max_model_len
+                    else " (max_num_batched_tokens without chunked prefill)"
+                )
             )
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
@@ -303,14 +343,20 @@ class Engine:
             stats=self._stats(out, t0, now),
         )
 
-    def _check_stop_strings(self, sampled: dict[str, int], finished: list[Request], now: float) -> list[Request]:
+    def _check_stop_strings(
+        self, sampled: dict[str, int], finished: list[Request], now: float
+    ) -> list[Request]:
         """Finish requests whose newest token completed a stop string (once min_tokens exist).
         A request that reached max_tokens on that same token is marked stopped too."""
         just_finished = {r.request_id: r for r in finished}
         hits = []
         for rid in sampled:
             req = self.scheduler.requests.get(rid) or just_finished.get(rid)
-            if req is None or not req.sampling_params.stop or req.status == RequestStatus.FINISHED_STOPPED:
+            if (
+                req is None
+                or not req.sampling_params.stop
+                or req.status == RequestStatus.FINISHED_STOPPED
+            ):
                 continue
             if req.num_output_tokens < req.sampling_params.min_tokens:
                 continue

@@ -55,9 +55,7 @@ def profile_seq_lens(num_tokens: int, num_seqs: int, max_model_len: int) -> list
     return lens
 
 
-def build_profile_batch(
-    seq_lens: list[int], block_size: int, device: torch.device
-) -> ProfileBatch:
+def build_profile_batch(seq_lens: list[int], block_size: int, device: torch.device) -> ProfileBatch:
     """Prompts of the given lengths (context 0), each in fresh consecutive blocks."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     blocks_per_seq = -(-lens // block_size)
@@ -74,9 +72,9 @@ def build_profile_batch(
     total = int(qsl[-1])
     positions = np.arange(total) - np.repeat(qsl[:-1], lens)
     seq_of_token = np.repeat(np.arange(len(lens)), lens)
-    slot_mapping = block_table[seq_of_token, positions // block_size].astype(np.int64) * block_size + (
-        positions % block_size
-    )
+    slot_mapping = block_table[seq_of_token, positions // block_size].astype(
+        np.int64
+    ) * block_size + (positions % block_size)
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
@@ -112,8 +110,13 @@ def run_profile_forward(
     batch = build_profile_batch(lens, cfg.block_size, device)
     kv_caches = [
         torch.zeros(
-            2, batch.num_blocks, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
-            dtype=dtype, device=device,
+            2,
+            batch.num_blocks,
+            cfg.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            dtype=dtype,
+            device=device,
         )
         for _ in range(mc.num_hidden_layers)
     ]

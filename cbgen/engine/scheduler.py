@@ -99,7 +99,9 @@ class _StepBuilder:
             )
         )
         self.budget -= num_new
-        is_decode = num_new == 1 and req.num_computed_tokens >= req.num_prompt_tokens and not readmitted
+        is_decode = (
+            num_new == 1 and req.num_computed_tokens >= req.num_prompt_tokens and not readmitted
+        )
         if is_decode:
             self.decode += 1
         else:
@@ -208,7 +210,11 @@ class Scheduler:
             self.running.append(req)
             step.cached += num_cached
             self.kv.cache_blocks(req, req.num_computed_tokens + num_new)
-            copy = (partial[0].block_id, new_blocks[len(computed_blocks)], num_partial) if partial else None
+            copy = (
+                (partial[0].block_id, new_blocks[len(computed_blocks)], num_partial)
+                if partial
+                else None
+            )
             step.add(req, num_new, new_blocks, readmitted=True, kv_copy=copy)
 
     # ---- after the forward pass -----------------------------------------------------
@@ -252,7 +258,9 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def finish(self, requests: Iterable[Request], now: float, status: RequestStatus | None = None) -> None:
+    def finish(
+        self, requests: Iterable[Request], now: float, status: RequestStatus | None = None
+    ) -> None:
         """Remove requests (finished, aborted) from the queues and free their blocks."""
         gone = set()
         for req in requests:

@@ -66,7 +66,9 @@ class PaddingStats:
     @property
     def waste(self) -> float:
         """Share of the computed tokens that were padding (0 when nothing was computed)."""
-        return self.num_wasted_tokens / self.num_computed_tokens if self.num_computed_tokens else 0.0
+        return (
+            self.num_wasted_tokens / self.num_computed_tokens if self.num_computed_tokens else 0.0
+        )
 
     def since(self, earlier: PaddingStats) -> PaddingStats:
         """What was counted after the snapshot `earlier` of the same counters was taken."""
@@ -188,7 +190,8 @@ class StaticScheduler(Scheduler):
         if self.max_model_len is not None and longest + max_tokens > self.max_model_len:
             return False
         need = sum(
-            self.kv.blocks_needed(m.num_tokens + max_tokens) + self.kv.blocks_needed(longest - m.num_tokens)
+            self.kv.blocks_needed(m.num_tokens + max_tokens)
+            + self.kv.blocks_needed(longest - m.num_tokens)
             for m in members
         )
         return need <= self.kv.num_free_blocks
@@ -228,14 +231,20 @@ class StaticScheduler(Scheduler):
                 break
             new_blocks = self.kv.allocate_slots(req, num_new, computed_blocks, num_partial)
             if new_blocks is None:
-                raise RuntimeError(f"static batch {batch.index}: KV cache ran out despite its reservation")
+                raise RuntimeError(
+                    f"static batch {batch.index}: KV cache ran out despite its reservation"
+                )
             if not admitted:
                 self._rows.add(rid)
                 if not is_pad:
                     req.num_computed_tokens = num_cached
                     req.num_cached_tokens = num_cached
                     step.cached += num_cached
-            copy = (partial[0].block_id, new_blocks[len(computed_blocks)], num_partial) if partial else None
+            copy = (
+                (partial[0].block_id, new_blocks[len(computed_blocks)], num_partial)
+                if partial
+                else None
+            )
             step.add(req, num_new, new_blocks, readmitted=not admitted, kv_copy=copy)
 
     # ---- after the forward pass -----------------------------------------------------
@@ -301,7 +310,9 @@ class StaticScheduler(Scheduler):
             self.kv.free(pad)
             self._release_row(rid)
 
-    def finish(self, requests: Iterable[Request], now: float, status: RequestStatus | None = None) -> None:
+    def finish(
+        self, requests: Iterable[Request], now: float, status: RequestStatus | None = None
+    ) -> None:
         """Aborts leave the batch at once. A member the engine stopped (a stop string) is
         handed out by the engine now, but keeps its slot and keeps computing until the batch
         ends, as the rest of its padded row would."""
