@@ -39,8 +39,10 @@ run: setup
 bench: setup
 	$(BIN)/cbgen bench --workload sharegpt --num-prompts 128 --max-output-len 512 --compare static --static-batch-size 8
 
-gpu-check: setup
-	bash scripts/gpu_check.sh
+# On the GPU machine as it is (offline, nothing to install): the system python3, the checkout on
+# PYTHONPATH, no setup. Results in docs/measurements/gpu_check_<commit>.json (docs/GPU.md).
+gpu-check:
+	PYTHONPATH=. $(PY) -m tools.gpu_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -3,12 +3,20 @@ device, and the GPU check script itself (its CPU mode, tiny shapes, Triton inter
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.runner import ModelRunner, NewRequestInfo, _draw_seed
 from cbgen.engine.sampler import Sampler, SamplingRow
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_runner_for_another_device_keeps_generators_where_the_draws_happen() -> None:
@@ -37,3 +45,44 @@ def test_a_runner_for_another_device_keeps_generators_where_the_draws_happen() -
     generator.manual_seed(7)
     torch.rand(1, generator=generator, device="cpu")
     assert (Sampler()(logits[:1].clone(), rows), _draw_seed(generator)) == first
+
+
+def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
+    """tools/gpu_check.py in its CPU mode (toy shapes, Triton interpreter), as the GPU machine
+    runs it: python3 -m with the checkout on PYTHONPATH. Every section passes (memory needs
+    CUDA and says so) and the results file holds what the check promises."""
+    out = tmp_path / "check.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "tools.gpu_check",
+        "--device",
+        "cpu",
+        "--quick",
+        "--output",
+        str(out),
+        "--commit",
+        "test",
+    ]
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["commit"] == "test" and results["finished"] and results["device"]
+    names = [
+        "kernels",
+        "greedy_fp32",
+        "bf16_top1",
+        "sampling",
+        "memory",
+        "throughput",
+        "roofline_8b",
+    ]
+    assert list(results["sections"]) == names
+    for name, section in results["sections"].items():
+        assert section["passed"] and section["figures"], name
+    assert results["sections"]["memory"]["figures"] == {"skipped": "needs CUDA"}
+    assert results["sections"]["sampling"]["figures"]["preemptions"] > 0
+    assert results["vs_transformers_cb"] > 0
+    assert results["roofline_ratio_8b_b256"] is None  # toy shapes: not the 8B figure
+    assert all(t["met"] is None for t in results["targets"].values())
