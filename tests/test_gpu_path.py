@@ -1,5 +1,6 @@
 """What the GPU path needs that a CPU can check: sampled requests on a runner built for another
-device, and the GPU check script itself (its CPU mode, tiny shapes, Triton interpreter)."""
+device, the GPU check script itself (its CPU mode: toy shapes, Triton interpreter), and how often
+a step reads device memory on the host."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from cbgen.config import EngineConfig, SamplingParams
@@ -86,3 +91,89 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     assert results["vs_transformers_cb"] > 0
     assert results["roofline_ratio_8b_b256"] is None  # toy shapes: not the 8B figure
     assert all(t["met"] is None for t in results["targets"].values())
+
+
+# ---- device-to-host reads per step -------------------------------------------------------------
+
+HOST_READS = (
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "nonzero",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+)
+"""Tensor methods that read device memory on the host: on a GPU each waits for the queue."""
+
+
+@contextmanager
+def host_reads() -> Iterator[list[str]]:
+    """Record every host read made by cbgen's or the kernels' own code (torch's and triton's
+    internals are not counted: the Triton interpreter copies every argument to the host)."""
+    ours = (str(ROOT / "cbgen"), str(ROOT / "kernels"))
+    seen: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counted(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.startswith(ours):
+                seen.append(f"{Path(caller.co_filename).name}:{caller.co_name}:{name}")
+            return method(self, *args, **kwargs)
+
+        return read
+
+    for name, method in originals.items():
+        setattr(torch.Tensor, name, counted(name, method))
+    try:
+        yield seen
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            min_tokens=2,
+            max_tokens=6,
+        ),
+    ],
+    ids=["greedy", "sampled"],
+)
+def test_a_step_reads_the_device_once(
+    params: SamplingParams, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    """On the triton path (the interpreter here), a step that admits prompts while others
+    decode and a decode-only step each read device memory on the host once: the sampled ids.
+    bfloat16, so the float32-only CPU paths (packed weights, the bf16 head) stay out."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            device=device,
+            dtype="bfloat16",
+            attention_backend="triton",
+            kv_cache_memory=4 << 20,
+        )
+    )
+    engine.add_request("a", [5, 6, 7, 8, 9], params)
+    engine.step()
+    engine.add_request("b", list(range(10, 30)), params)
+    with host_reads() as mixed:
+        stats = engine.step().stats
+    assert stats.num_prefill_tokens == 20 and stats.num_decode_tokens == 1
+    with host_reads() as decode:
+        stats = engine.step().stats
+    assert stats.num_prefill_tokens == 0 and stats.num_decode_tokens == 2
+    assert mixed == decode == ["sampler.py:__call__:tolist"]

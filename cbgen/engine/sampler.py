@@ -98,13 +98,27 @@ def apply_penalties(
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    *,
+    truncate: bool | None = None,
+    floor: bool | None = None,
+) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or under min_p x p_max.
 
     logits [B, V] already divided by temperature; top_k [B] (0 = all), top_p [B], min_p [B].
+    truncate / floor: whether any row may have top-k or top-p / min-p, when the caller knows it
+    on the host (None: read from the tensors, one device-to-host read each on a GPU).
     """
     vocab = logits.shape[-1]
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    if truncate is None:
+        truncate = bool((top_k > 0).any()) or bool((top_p < 1.0).any())
+    if floor is None:
+        floor = bool((min_p > 0).any())
+    if truncate:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
@@ -116,7 +130,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         drop |= (before >= top_p[:, None]) & (top_p < 1.0)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    if bool((min_p > 0).any()):
+    if floor:
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -145,6 +159,10 @@ def _sample_torch(ps: Sequence[SamplingParams], sub: torch.Tensor, temp: torch.T
         torch.tensor([p.top_k for p in ps], device=dev),
         torch.tensor([p.top_p for p in ps], device=dev, dtype=sub.dtype),
         torch.tensor([p.min_p for p in ps], device=dev, dtype=sub.dtype),
+        # from the parameters, not the device (a row they flag that the tensors would not,
+        # such as a top_p that rounds to 1.0 in float32, is left unmasked all the same)
+        truncate=any(p.top_k > 0 or p.top_p < 1.0 for p in ps),
+        floor=any(p.min_p > 0.0 for p in ps),
     )
     weights = sub.sub_(sub.amax(dim=-1, keepdim=True)).exp_()  # unnormalised softmax
     cdf = weights.cumsum(dim=-1)
