@@ -45,6 +45,9 @@ from cbgen.llm import LLM
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 HAS_CUDA = torch.cuda.is_available()
+TRITON_DEVICE = "cpu" if select.triton_interpreted() else "cuda"
+"""Where the triton backend runs in this process: on the CPU under the interpreter (switched on
+above where there is no CUDA), else compiled on the GPU."""
 
 
 # ---- selection ------------------------------------------------------------------------------
@@ -391,10 +394,10 @@ def test_engine_greedy_matches_the_torch_reference(
     """Same weights (tiny Llama, GQA 4:2), same prompts, chunked prefill (chunks of 8 tokens
     over cached context) and 4-token blocks (many block crossings): the cpu backend (its C
     kernels, or the torch path where there is no compiler) and the triton backend under the
-    interpreter give the torch reference's greedy tokens."""
+    interpreter (or compiled, where there is CUDA) give the torch reference's greedy tokens."""
     cfg = EngineConfig(
         model=str(tiny_model_dir("llama")),
-        device="cpu",
+        device=TRITON_DEVICE if name == "triton" else "cpu",
         dtype="float32",
         kv_cache_memory=4 << 20,
         block_size=4,
@@ -415,7 +418,7 @@ def test_triton_engine_split_kv_decodes_match_torch(tiny_model_dir: Callable[[st
 
     cfg = EngineConfig(
         model=str(tiny_model_dir("llama")),
-        device="cpu",
+        device=TRITON_DEVICE,
         dtype="float32",
         kv_cache_memory=4 << 20,
         block_size=16,
