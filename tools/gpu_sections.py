@@ -115,16 +115,27 @@ def _vocab(ctx: CheckContext, name: str) -> int:
 
 def kernels(ctx: CheckContext) -> bool:
     """Decode steps of one model shape at changing batch sizes, block-table widths and token
-    counts: the kernels answer as the torch reference does and compile once per variant. Then
-    tests/test_kernels.py in a fresh process, compiled for this GPU (not in quick mode: on the
-    CPU the test suite runs it under the interpreter already)."""
+    counts: the kernels answer as the torch reference does and compile once per variant. Then,
+    in a fresh process, the kernel, backend and GPU-path tests with CUDA present (compiled for
+    this GPU; not in quick mode, where the CPU suite runs them under the interpreter)."""
     f = ctx.figures
     f["steps"] = _decode_steps_compile_once(ctx)
     passed = bool(f["steps"]["passed"])
     if ctx.quick:
         return passed
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    tests = ["tests/test_kernels.py", "tests/test_backends.py", "tests/test_gpu_path.py"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *tests,
+        "-k",
+        "not runs_on_the_cpu",
+    ]
     if _has_module("xdist"):
         cmd += ["-n", "8"]  # compiles the kernel variants in parallel
     res = subprocess.run(
