@@ -306,17 +306,17 @@ def test_cpu_backend_matches_the_torch_reference(
     """A decode, a chunk after cached context and a fresh prompt: float32 through the C kernels
     (or, without them, the torch path, to the bit); bfloat16, which the kernels do not take,
     through the torch path either way."""
-    from cbgen.attention import native
     from cbgen.attention.cpu_backend import CpuAttentionBackend
+    from cbgen.cpu import kernels
 
     if not kernels:
-        monkeypatch.setattr(native, "load_library", lambda: None)
-    elif native.load_library() is None:
+        monkeypatch.setattr(kernels, "load_library", lambda: None)
+    elif kernels.load_library() is None:
         pytest.skip("no C compiler: no kernels")
     answered = []
-    decode = native.paged_decode_f32
+    decode = kernels.paged_decode_f32
     monkeypatch.setattr(
-        native, "paged_decode_f32", lambda *a: answered.append(o := decode(*a)) or o
+        kernels, "paged_decode_f32", lambda *a: answered.append(o := decode(*a)) or o
     )
     for dtype in (torch.float32, torch.bfloat16):
         want, want_cache = _run_backend(torch_backend.TorchAttentionBackend(), dtype)

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from cbgen.attention import native
-from cbgen.models.llama import Bf16Head, bf16_matmul_fast, bf16_matmul_supported
+from cbgen.cpu import kernels
+from cbgen.cpu.linear import Bf16Head, bf16_matmul_fast, bf16_matmul_supported
 
 pytestmark = pytest.mark.skipif(
-    native.load_library() is None or not bf16_matmul_supported(), reason="no C compiler or no oneDNN bf16"
+    kernels.load_library() is None or not bf16_matmul_supported(),
+    reason="no C compiler or no oneDNN bf16",
 )
 
 
@@ -107,7 +108,9 @@ def test_a_row_draws_by_its_seed_alone_whatever_the_batch() -> None:
         assert inside[5] == alone[0]
         draws.append(int(alone[0]))
     assert len(set(draws)) > 3  # a real draw, not an argmax
-    assert head(h[None], torch.ones(1), torch.tensor([7])) == head(h[None], torch.ones(1), torch.tensor([7]))
+    assert head(h[None], torch.ones(1), torch.tensor([7])) == head(
+        h[None], torch.ones(1), torch.tensor([7])
+    )
 
 
 def test_greedy_and_sampled_rows_in_one_call() -> None:
@@ -144,7 +147,12 @@ def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
     from cbgen.engine.engine import Engine
 
     def run(with_head: bool) -> tuple[dict[str, list[int]], list[int], int]:
-        engine = Engine(model=str(tiny_model_dir("llama")), device="cpu", dtype="float32", kv_cache_memory=8 << 20)
+        engine = Engine(
+            model=str(tiny_model_dir("llama")),
+            device="cpu",
+            dtype="float32",
+            kv_cache_memory=8 << 20,
+        )
         model = engine.runner.model
         head = model.bf16_head
         assert head is not None
@@ -161,14 +169,26 @@ def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
 
         monkeypatch.setattr(model, "compute_logits", counted_logits)
         if with_head:
-            monkeypatch.setattr(Bf16Head, "__call__", lambda self, h, *a: rows.append(h.shape[0]) or call(self, h, *a))
+            monkeypatch.setattr(
+                Bf16Head,
+                "__call__",
+                lambda self, h, *a: rows.append(h.shape[0]) or call(self, h, *a),
+            )
         plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         for i in range(3):
             engine.add_request(f"g{i}", [5 + i, 9, 30, 41][: 2 + i], plain)
         engine.add_request("pen", [5, 9], plain.replace(repetition_penalty=1.3))
-        engine.add_request("s", [7, 8, 9], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
-        engine.add_request("top_p", [7, 8], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True))
-        engine.add_request("cold", [7, 8], SamplingParams(temperature=0.1, max_tokens=12, ignore_eos=True))
+        engine.add_request(
+            "s", [7, 8, 9], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+        )
+        engine.add_request(
+            "top_p",
+            [7, 8],
+            SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True),
+        )
+        engine.add_request(
+            "cold", [7, 8], SamplingParams(temperature=0.1, max_tokens=12, ignore_eos=True)
+        )
         out: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
             for o in engine.step().finished:
@@ -181,5 +201,7 @@ def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
     without, _, all_rows = run(False)
     assert sum(head_rows) == 4 * 12  # three greedy rows and the plain sampled one, every step
     assert logits_rows == 3 * 12 and all_rows == 7 * 12  # the penalised, top-p and cold rows
-    assert {k: with_head[k] for k in ("g0", "g1", "g2", "pen")} == {k: without[k] for k in ("g0", "g1", "g2", "pen")}
+    assert {k: with_head[k] for k in ("g0", "g1", "g2", "pen")} == {
+        k: without[k] for k in ("g0", "g1", "g2", "pen")
+    }
     assert all(len(v) == 12 for v in with_head.values())

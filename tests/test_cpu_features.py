@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cbgen.attention.cpu_features import (
+from cbgen.cpu.features import (
     CpuInfo,
     cpu_info,
     parse_cpuinfo,
@@ -63,13 +63,13 @@ def test_the_bf16_head_is_chosen_from_the_cpu_flags_not_onednns_check(
     monkeypatch: pytest.MonkeyPatch, flags: tuple[str, ...], fast: bool
 ) -> None:
     """oneDNN says yes on every AVX-512 CPU (it emulates bf16 there): the flags decide."""
-    from cbgen.models import llama
+    from cbgen.cpu import linear
 
-    monkeypatch.setattr(llama, "bf16_matmul_supported", lambda: True)
-    monkeypatch.setattr(llama, "cpu_info", lambda: make_cpu(*flags))
-    assert llama.bf16_matmul_fast() is fast
-    monkeypatch.setattr(llama, "bf16_matmul_supported", lambda: False)
-    assert llama.bf16_matmul_fast() is False  # and never where oneDNN cannot run it at all
+    monkeypatch.setattr(linear, "bf16_matmul_supported", lambda: True)
+    monkeypatch.setattr(linear, "cpu_info", lambda: make_cpu(*flags))
+    assert linear.bf16_matmul_fast() is fast
+    monkeypatch.setattr(linear, "bf16_matmul_supported", lambda: False)
+    assert linear.bf16_matmul_fast() is False  # and never where oneDNN cannot run it at all
 
 
 def test_parse_cpuinfo_takes_the_first_processor() -> None:

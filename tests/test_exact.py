@@ -19,7 +19,7 @@ NEW_TOKENS = 32
 
 SMOLLM2_PROMPTS: list[Any] = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     [{"role": "user", "content": "What is continuous batching in LLM inference?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
     "Once upon a time, in a small village at the edge of a great forest, there lived an old "
@@ -31,8 +31,13 @@ SMOLLM2_PROMPTS: list[Any] = [
         {"role": "user", "content": "Three more, larger than 100, please."},
     ],
     "1, 2, 3, 4, 5,",
-    [{"role": "user", "content": "Explain why the sky is blue to a ten year old, in detail, "
-      "covering sunlight, the atmosphere, scattering, and why sunsets are red."}],
+    [
+        {
+            "role": "user",
+            "content": "Explain why the sky is blue to a ten year old, in detail, "
+            "covering sunlight, the atmosphere, scattering, and why sunsets are red.",
+        }
+    ],
 ]
 
 
@@ -57,22 +62,31 @@ def settings(prompt_lens: list[int], engine_for_sizes: Engine) -> dict[str, dict
         "default": {},
         "chunked": {"max_num_batched_tokens": max(1, min(prompt_lens) // 3)},
         # room for the longest request plus a little: several requests cannot coexist
-        "preempt": {"kv_cache_memory": per_block * (-(-longest // bs) + 2), "enable_prefix_caching": False},
+        "preempt": {
+            "kv_cache_memory": per_block * (-(-longest // bs) + 2),
+            "enable_prefix_caching": False,
+        },
         "one_slot": {"max_num_seqs": 1},
     }
 
 
-def run_cbgen(base: Engine, overrides: dict[str, Any], prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+def run_cbgen(
+    base: Engine, overrides: dict[str, Any], prompts: list[list[int]]
+) -> tuple[list[list[int]], int]:
     engine = Engine(base.config.replace(**overrides), share_weights_with=base)
     llm = LLM(engine=engine)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    )
     assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
     assert engine.kv.num_used_blocks == 0
     return [o.output_token_ids for o in outs], engine.total_preemptions
 
 
 @pytest.fixture(scope="module")
-def smollm2_case(smollm2_engine: Engine, smollm2_hf: Any) -> tuple[Engine, list[list[int]], list[list[int]]]:
+def smollm2_case(
+    smollm2_engine: Engine, smollm2_hf: Any
+) -> tuple[Engine, list[list[int]], list[list[int]]]:
     prompts = [
         smollm2_engine.apply_chat_template(p) if isinstance(p, list) else smollm2_engine.tokenize(p)
         for p in SMOLLM2_PROMPTS
@@ -94,7 +108,9 @@ def test_smollm2_greedy_matches_transformers(smollm2_case: Any, setting: str) ->
     if setting == "preempt":
         assert preemptions > 0
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g == e, f"prompt {i}: first difference at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+        assert g == e, (
+            f"prompt {i}: first difference at token {next(j for j in range(len(e)) if g[j] != e[j])}"
+        )
 
 
 LONG_TEXT = (
@@ -124,22 +140,24 @@ def test_smollm2_long_prompts_through_the_prefill_kernel_match_transformers(
 ) -> None:
     """Prompts long enough for the C prefill kernel (whole, and in chunks after cached
     context), greedy, against transformers."""
-    from cbgen.attention import native
+    from cbgen.cpu import kernels
 
-    if native.load_library() is None:
+    if kernels.load_library() is None:
         pytest.skip("no C compiler: no prefill kernel")
     calls = {"with context": 0, "without": 0}
-    kernel = native.prefill_attention_f32
+    kernel = kernels.prefill_attention_f32
 
     def counting(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> Any:
         calls["with context" if key.shape[0] > query.shape[0] else "without"] += 1
         return kernel(query, key, value, scale)
 
-    monkeypatch.setattr(native, "prefill_attention_f32", counting)
+    monkeypatch.setattr(kernels, "prefill_attention_f32", counting)
     engine = smollm2_engine
     prompts = [
         engine.tokenize(LONG_TEXT + "In the logbook, Hale wrote that"),
-        engine.apply_chat_template([{"role": "user", "content": LONG_TEXT + "Summarise this in one sentence."}]),
+        engine.apply_chat_template(
+            [{"role": "user", "content": LONG_TEXT + "Summarise this in one sentence."}]
+        ),
     ]
     assert min(len(p) for p in prompts) > 300
     expected = [hf_greedy(smollm2_hf, p, 16) for p in prompts]
@@ -153,20 +171,125 @@ def test_smollm2_long_prompts_through_the_prefill_kernel_match_transformers(
 TINY_PROMPTS = [
     [5, 6, 7, 8, 9, 10, 11, 12, 13],
     [100, 3, 77, 42, 42, 9, 250, 17, 33, 61, 12, 8, 190, 4, 4, 4, 61, 99, 23, 14, 15],
-    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66],
+    [
+        30,
+        31,
+        32,
+        33,
+        34,
+        35,
+        36,
+        37,
+        38,
+        39,
+        40,
+        41,
+        42,
+        43,
+        44,
+        45,
+        46,
+        47,
+        48,
+        49,
+        50,
+        51,
+        52,
+        53,
+        54,
+        55,
+        56,
+        57,
+        58,
+        59,
+        60,
+        61,
+        62,
+        63,
+        64,
+        65,
+        66,
+    ],
     [200, 201, 202, 13, 17, 19, 23, 29, 31, 37, 41, 43],
-    [9, 8, 7, 6, 5, 4, 3, 9, 8, 7, 6, 5, 4, 3, 9, 8, 7, 6, 5, 4, 3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34],
+    [
+        9,
+        8,
+        7,
+        6,
+        5,
+        4,
+        3,
+        9,
+        8,
+        7,
+        6,
+        5,
+        4,
+        3,
+        9,
+        8,
+        7,
+        6,
+        5,
+        4,
+        3,
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+        9,
+        10,
+        11,
+        12,
+        13,
+        14,
+        15,
+        16,
+        17,
+        18,
+        19,
+        20,
+        21,
+        22,
+        23,
+        24,
+        25,
+        26,
+        27,
+        28,
+        29,
+        30,
+        31,
+        32,
+        33,
+        34,
+    ],
 ]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_tiny_models_greedy_match_transformers(kind: str, tiny_model_dir: Callable[[str], Path]) -> None:
+def test_tiny_models_greedy_match_transformers(
+    kind: str, tiny_model_dir: Callable[[str], Path]
+) -> None:
     from transformers import AutoModelForCausalLM
 
     folder = tiny_model_dir(kind)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in TINY_PROMPTS]
-    base = Engine(EngineConfig(model=str(folder), device="cpu", dtype="float32", kv_cache_memory=8 << 20, block_size=4, num_threads=1))
+    base = Engine(
+        EngineConfig(
+            model=str(folder),
+            device="cpu",
+            dtype="float32",
+            kv_cache_memory=8 << 20,
+            block_size=4,
+            num_threads=1,
+        )
+    )
     for name, overrides in settings([len(p) for p in TINY_PROMPTS], base).items():
         got, preemptions = run_cbgen(base, overrides, TINY_PROMPTS)
         if name == "preempt":

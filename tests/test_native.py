@@ -1,4 +1,4 @@
-"""The CPU C kernels (cbgen/attention/csrc) against the torch formulations they replace, built
+"""The CPU C kernels (cbgen/cpu/csrc) against the torch formulations they replace, built
 as -march=native gives and with AVX-512 switched off (what an AVX2-only CPU gets); the build
 cache keyed by target, the status line, the fallback without kernels, the argument checks."""
 
@@ -15,38 +15,42 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbgen.attention import cpu_backend, native, torch_backend
-from cbgen.models.llama import RMSNorm, apply_rope
+from cbgen.attention import cpu_backend, torch_backend
+from cbgen.cpu import build as cpu_build
+from cbgen.cpu import kernels
+from cbgen.cpu.ops import CPU_OPS
+from cbgen.models.llama import RMSNorm
+from cbgen.models.ops import TORCH_OPS
 
-pytestmark = pytest.mark.skipif(native.load_library() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
 
 AVX2_FLAGS = ("-mno-avx512f",)
 
 
 @pytest.fixture(scope="module")
-def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> native.Build:
+def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> cpu_build.Build:
     """The kernels compiled with AVX-512 switched off, into a fresh folder."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx512f is an x86 flag")
-    build = native.build_library(tmp_path_factory.mktemp("kernels-avx2"), AVX2_FLAGS)
+    build = cpu_build.build_library(tmp_path_factory.mktemp("kernels-avx2"), AVX2_FLAGS)
     assert build.library is not None, build.status()
-    cc = native.find_compiler()
+    cc = cpu_build.find_compiler()
     assert cc is not None
-    target = native.probe_target(cc, (*native._FLAGS, *AVX2_FLAGS))
+    target = cpu_build.probe_target(cc, (*cpu_build._FLAGS, *AVX2_FLAGS))
     assert "__AVX512F__" not in target.macros and "__AVX2__" in target.macros, build.reason
     return build
 
 
 @pytest.fixture(params=["native", "avx2"])
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def each_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """A kernel test runs against the default build and against the AVX2 one."""
     if request.param == "avx2":
         lib = request.getfixturevalue("avx2_build").library
-        monkeypatch.setattr(native, "load_library", lambda extra_flags=(): lib)
+        monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): lib)
     return str(request.param)
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 def test_add_rmsnorm_matches_residual_add_then_rmsnorm() -> None:
     torch.manual_seed(0)
     for t in (1, 7, 600):  # 600 x 576 crosses the threshold where the kernel goes parallel
@@ -55,29 +59,32 @@ def test_add_rmsnorm_matches_residual_add_then_rmsnorm() -> None:
         norm.weight.data.uniform_(0.5, 1.5)
         want_res = res + x
         want = norm(want_res)
-        got = native.add_rmsnorm_(res, x, norm.weight.data, 1e-5)
+        got = kernels.add_rmsnorm_(res, x, norm.weight.data, 1e-5)
         assert torch.equal(res, want_res)  # the residual stream is bit-identical
         torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
-        only = native.add_rmsnorm_(want_res.clone(), None, norm.weight.data, 1e-5)
+        only = kernels.add_rmsnorm_(want_res.clone(), None, norm.weight.data, 1e-5)
         torch.testing.assert_close(only, want, rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 def test_rope_in_place_is_bit_identical_to_the_reference_formula() -> None:
     torch.manual_seed(2)
     t, heads, d = 9, 5, 64
     qkv = torch.randn(t, heads * d + 3 * d)  # extra columns after the rotated heads stay put
     positions = torch.tensor([0, 1, 2, 17, 100, 3, 4, 511, 9])
-    freqs = torch.arange(512, dtype=torch.float32)[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(512, dtype=torch.float32)[:, None] * (
+        1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    )
     cos, sin = freqs.cos(), freqs.sin()
-    want = apply_rope(qkv[:, : heads * d].view(t, heads, d), cos[positions][:, None], sin[positions][:, None])
+    want = qkv.clone()  # the reference op, in place on a strided row like the kernel
+    TORCH_OPS.rope_(want, heads, d, TORCH_OPS.rope_tables(cos, sin, positions, torch.float32))
     tail = qkv[:, heads * d :].clone()
-    native.rope_(qkv, heads, d, positions, cos, sin)
-    assert torch.equal(qkv[:, : heads * d].view(t, heads, d), want)
+    CPU_OPS.rope_(qkv, heads, d, CPU_OPS.rope_tables(cos, sin, positions, torch.float32))
+    assert torch.equal(qkv, want)
     assert torch.equal(qkv[:, heads * d :], tail)
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 @pytest.mark.parametrize(
     ("group", "block_size", "head_dim", "hkv", "batch"),
     [
@@ -102,7 +109,7 @@ def test_paged_decode_matches_the_torch_reference(
     q = torch.randn(batch, hkv * group, head_dim)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     want = torch_backend.paged_attention(q, kv, block_table, qsl, seq_lens, 0.125)
-    got = native.paged_decode_f32(q, kv, block_table, seq_lens, 0.125)
+    got = kernels.paged_decode_f32(q, kv, block_table, seq_lens, 0.125)
     assert got is not None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -117,45 +124,60 @@ def test_paged_decode_refuses_shapes_it_cannot_hold_and_attend_falls_back() -> N
     block_table = torch.randperm(12)[:9].view(batch, 3).int()
     q = torch.randn(batch, hkv * group, d)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    assert native.paged_decode_f32(q, kv, block_table, seq_lens, 0.125) is None
+    assert kernels.paged_decode_f32(q, kv, block_table, seq_lens, 0.125) is None
     plan = cpu_backend.plan_attention(block_table, qsl, seq_lens, bs)
     got = cpu_backend.attend(q, kv, plan, 0.125)
     want = torch_backend.paged_attention(q, kv, block_table, qsl, seq_lens, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 def test_softmax_exponentials_are_within_three_ulp_of_expf() -> None:
     """The decode kernel's polynomial exp against torch.exp, from the maximum (exp 0 = 1)
     down past float32's underflow, at lengths that end mid-vector."""
     torch.manual_seed(7)
     for n in (1, 15, 16, 17, 1000):
         m = 3.5
-        x = m - torch.cat([torch.tensor([0.0, 1e-30, 0.3466, 0.3467, 87.0, 87.5, 104.0, 200.0]), 110.0 * torch.rand(n)])[:n]
+        x = (
+            m
+            - torch.cat(
+                [
+                    torch.tensor([0.0, 1e-30, 0.3466, 0.3467, 87.0, 87.5, 104.0, 200.0]),
+                    110.0 * torch.rand(n),
+                ]
+            )[:n]
+        )
         x = x.contiguous()
         want = torch.exp((x - m).double())  # the float32 difference, like expf(s - m)
         got = x.clone()
-        total = native.exp_sub_sum_(got, m)
+        total = kernels.exp_sub_sum_(got, m)
         # 3 ulp; results at the bottom of float32's normal range may flush to zero
         ulp = torch.finfo(torch.float32).eps * want
-        assert ((got.double() - want).abs() <= (3 * ulp).clamp(min=2 * torch.finfo(torch.float32).tiny)).all(), n
+        assert (
+            (got.double() - want).abs() <= (3 * ulp).clamp(min=2 * torch.finfo(torch.float32).tiny)
+        ).all(), n
         assert total == pytest.approx(float(want.sum()), rel=1e-6)
     # a NaN score (a broken model) stays visible instead of silently weighing nothing
     x = torch.tensor([0.0, float("nan"), -1.0, float("-inf")])
-    total = native.exp_sub_sum_(x, 0.0)
+    total = kernels.exp_sub_sum_(x, 0.0)
     assert x[0] == 1.0 and x[1].isnan() and x[3] == 0.0 and total != total
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 def test_silu_mul_matches_silu_times_up_to_a_few_ulp() -> None:
     """One pass over gate-up [T, 2I] against torch's silu(gate) * up, computed in float64 from
     the same float32 inputs: both sides of 0, |g| up to 100 (exp underflows), widths that end
     mid-vector; torch's infinities and NaN."""
     torch.manual_seed(3)
     for t, i in ((1, 1), (3, 15), (2, 16), (5, 17), (4, 1536)):
-        g = torch.cat([torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, -100.0]), 8 * torch.randn(t * i)])
+        g = torch.cat(
+            [
+                torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, -100.0]),
+                8 * torch.randn(t * i),
+            ]
+        )
         gu = torch.stack([g[: t * i].view(t, i), torch.randn(t, i)], dim=1).reshape(t, 2 * i)
-        got = native.silu_mul(gu)
+        got = kernels.silu_mul(gu)
         gd, ud = gu[:, :i].double(), gu[:, i:].double()
         want = gd / (1 + torch.exp(-gd)) * ud
         assert got.shape == (t, i)
@@ -163,22 +185,30 @@ def test_silu_mul_matches_silu_times_up_to_a_few_ulp() -> None:
         # g = -87.33 the exp flushes to zero, so results under ~1e-36 in size may be 0
         tol = 6 * torch.finfo(torch.float32).eps * want.abs() + 1e-35
         assert ((got.double() - want).abs() <= tol).all(), (t, i)
-    special = torch.tensor([[float("inf"), float("-inf"), float("nan"), 1.0, 2.0, 2.0, 2.0, float("inf")]])
-    got, want = native.silu_mul(special), torch.nn.functional.silu(special[:, :4]) * special[:, 4:]
+    special = torch.tensor(
+        [[float("inf"), float("-inf"), float("nan"), 1.0, 2.0, 2.0, 2.0, float("inf")]]
+    )
+    got, want = kernels.silu_mul(special), torch.nn.functional.silu(special[:, :4]) * special[:, 4:]
     assert got[0, 0] == want[0, 0] == float("inf")
     assert got[0, 1].isnan() and want[0, 1].isnan() and got[0, 2].isnan() and want[0, 2].isnan()
     assert got[0, 3] == pytest.approx(float(want[0, 3]), rel=1e-6)
 
 
-def _inverse_cdf_float64(logits: torch.Tensor, temperature: float, u: float) -> tuple[int, torch.Tensor, float]:
+def _inverse_cdf_float64(
+    logits: torch.Tensor, temperature: float, u: float
+) -> tuple[int, torch.Tensor, float]:
     """The sampling rule in float64 from the float32 quotient logits / T: (pick, cdf, target)."""
     x = (logits / temperature).double()
     cdf = torch.exp(x - x.max()).cumsum(0)
     target = float(u) * float(cdf[-1])
-    return int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True)), cdf, target
+    return (
+        int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True)),
+        cdf,
+        target,
+    )
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 def test_sample_is_the_inverse_cdf_of_the_tempered_softmax() -> None:
     """Rows of 17 (a partial vector), 1000 and 49152 tokens (192 chunks), temperatures on both
     sides of 1, every 7th token masked to -inf, draws at 0 and just under 1, rows read
@@ -189,14 +219,14 @@ def test_sample_is_the_inverse_cdf_of_the_tempered_softmax() -> None:
     for v in (17, 1000, 49152):
         b = 24
         wide = 3 * torch.randn(b, v + 5)
-        wide[:, : v : 7] = float("-inf")
+        wide[:, :v:7] = float("-inf")
         logits = wide[:, :v]
         before = logits.clone()
         temp = torch.rand(b) * 2 + 0.2
         temp[:6] = 1.0
         u = torch.rand(b)
         u[0], u[1] = 0.0, float(torch.tensor(1.0).nextafter(torch.tensor(0.0)))
-        got = native.sample(logits, temp, u)
+        got = kernels.sample(logits, temp, u)
         assert got is not None and got.dtype == torch.int64
         assert torch.equal(logits, before)
         assert not logits.gather(1, got[:, None]).isinf().any()  # never a masked token
@@ -206,10 +236,12 @@ def test_sample_is_the_inverse_cdf_of_the_tempered_softmax() -> None:
                 # only where the target sits within float32 rounding of the boundary between them
                 edge = float(cdf[min(int(got[r]), want)])
                 assert abs(edge - target) <= 1e-5 * float(cdf[-1]), (v, r, int(got[r]), want)
-        assert int(got[1]) == max(i for i in range(v) if i % 7)  # u just under 1: the last live token
+        assert int(got[1]) == max(
+            i for i in range(v) if i % 7
+        )  # u just under 1: the last live token
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 def test_sample_covers_every_live_token_and_refuses_nan_and_inf() -> None:
     logits = torch.full((1, 40), float("-inf"))
     live = [3, 17, 18, 39]
@@ -217,22 +249,25 @@ def test_sample_covers_every_live_token_and_refuses_nan_and_inf() -> None:
     p = torch.softmax(logits[0], 0)
     # u swept over [0, 1): each live token is picked over a share of u equal to its probability
     us = (torch.arange(2000, dtype=torch.float32) + 0.5) / 2000
-    picks = [int(native.sample(logits, torch.ones(1), us[i : i + 1])[0]) for i in range(2000)]
+    picks = [int(kernels.sample(logits, torch.ones(1), us[i : i + 1])[0]) for i in range(2000)]
     for t in live:
         assert abs(picks.count(t) / 2000 - float(p[t])) <= 1 / 2000 + 1e-6
     assert set(picks) == set(live)
     # a column-major view samples as its contiguous copy does
     block = torch.randn(5, 40)
     u5 = torch.rand(5)
-    assert torch.equal(native.sample(block.t().contiguous().t(), torch.ones(5), u5), native.sample(block, torch.ones(5), u5))
+    assert torch.equal(
+        kernels.sample(block.t().contiguous().t(), torch.ones(5), u5),
+        kernels.sample(block, torch.ones(5), u5),
+    )
     for bad in (float("nan"), float("inf")):
         rows = torch.zeros(3, 40)
         rows[1, 5] = bad
-        assert native.sample(rows, torch.ones(3), torch.full((3,), 0.5)) is None
-    assert native.sample(torch.full((1, 8), float("-inf")), torch.ones(1), torch.zeros(1)) is None
+        assert kernels.sample(rows, torch.ones(3), torch.full((3,), 0.5)) is None
+    assert kernels.sample(torch.full((1, 8), float("-inf")), torch.ones(1), torch.zeros(1)) is None
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
     """Scores from about -400 to 400: the kernel's exponentials underflow to zero far below
     the maximum and stay accurate near it; 40 sequences take every thread through several
@@ -244,15 +279,21 @@ def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
     block_table = torch.randperm(8 * batch).view(batch, 8).int()
     q = 60.0 * torch.randn(batch, hkv * group, d)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    exact = torch_backend.paged_attention(q.double(), kv.double(), block_table, qsl, seq_lens, 0.125)
-    torch_error = (torch_backend.paged_attention(q, kv, block_table, qsl, seq_lens, 0.125) - exact).abs().max()
-    got = native.paged_decode_f32(q, kv, block_table, seq_lens, 0.125)
+    exact = torch_backend.paged_attention(
+        q.double(), kv.double(), block_table, qsl, seq_lens, 0.125
+    )
+    torch_error = (
+        (torch_backend.paged_attention(q, kv, block_table, qsl, seq_lens, 0.125) - exact)
+        .abs()
+        .max()
+    )
+    got = kernels.paged_decode_f32(q, kv, block_table, seq_lens, 0.125)
     assert got is not None
     # scores this large amplify float32 rounding: as close to the float64 result as torch is
     assert (got - exact).abs().max() <= 2 * torch_error + 1e-6
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
     """The cpu backend's attention: decodes, small prefill chunks (with and without cached
     context: the C decode kernel, one query token at a time) and chunks too large for it (the
@@ -273,7 +314,9 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
     assert len(plan.native.prefills) == 2
     assert plan.native.tokens.shape[0] == int(qsl[-1]) - 150 - 140
     got = cpu_backend.attend(q, kv, plan, 0.125)
-    want = torch_backend.attend(q, kv, torch_backend.plan_attention(block_table, qsl, seq_lens, bs), 0.125)
+    want = torch_backend.attend(
+        q, kv, torch_backend.plan_attention(block_table, qsl, seq_lens, bs), 0.125
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for i in (3, 4):
         (qlen, seq_len), start = shape[i], int(qsl[i])
@@ -285,11 +328,15 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
     n = int(qsl[3])
     assert small.native.tokens.tolist() == list(range(n))
     got = cpu_backend.attend(q[:n], kv, small, 0.125)
-    want = torch_backend.attend(q[:n], kv, torch_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs), 0.125)
+    want = torch_backend.attend(
+        q[:n], kv, torch_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs), 0.125
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """float64 softmax attention written out: q [Q, H, D] at positions L - Q .. L - 1."""
     qlen, heads, _ = q.shape
     seq_len, kv_heads, _ = k.shape
@@ -300,7 +347,7 @@ def _causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 @pytest.mark.parametrize(
     ("qlen", "ctx", "heads", "kv_heads", "d"),
     [
@@ -319,29 +366,38 @@ def test_prefill_attention_matches_a_float64_causal_softmax(
     torch.manual_seed(qlen + ctx)
     q = torch.randn(qlen, heads, d) * 2
     k, v = torch.randn(ctx + qlen, kv_heads, d), torch.randn(ctx + qlen, kv_heads, d)
-    got = native.prefill_attention_f32(q, k, v, d**-0.5)
+    got = kernels.prefill_attention_f32(q, k, v, d**-0.5)
     assert got is not None
-    torch.testing.assert_close(got.double(), _causal_reference(q, k, v, d**-0.5), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(
+        got.double(), _causal_reference(q, k, v, d**-0.5), rtol=1e-5, atol=2e-6
+    )
     # query rows inside a wider tensor (the fused qkv layout): same answer
     wide = torch.randn(qlen, heads * d + 2 * kv_heads * d)
     wide[:, : heads * d] = q.flatten(1)
     view = wide[:, : heads * d].view(qlen, heads, d)
     assert qlen == 1 or not view.is_contiguous()
-    assert torch.equal(native.prefill_attention_f32(view, k, v, d**-0.5), got)
+    assert torch.equal(kernels.prefill_attention_f32(view, k, v, d**-0.5), got)
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 def test_prefill_attention_keeps_nan_to_the_rows_that_see_it_and_refuses_other_head_sizes() -> None:
     torch.manual_seed(9)
     q, k, v = torch.randn(40, 6, 64), torch.randn(50, 2, 64), torch.randn(50, 2, 64)
     k[30, 1, 5] = float("nan")  # key position 30, KV head 1: query rows from 20 on see it
-    got = native.prefill_attention_f32(q, k, v, 0.125)
+    got = kernels.prefill_attention_f32(q, k, v, 0.125)
     assert got is not None
-    assert got[20:, 3:].isnan().all() and not got[:20].isnan().any() and not got[:, :3].isnan().any()
-    assert native.prefill_attention_f32(torch.randn(4, 2, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32), 0.2) is None
+    assert (
+        got[20:, 3:].isnan().all() and not got[:20].isnan().any() and not got[:, :3].isnan().any()
+    )
+    assert (
+        kernels.prefill_attention_f32(
+            torch.randn(4, 2, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32), 0.2
+        )
+        is None
+    )
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 def test_kv_write_matches_index_copy_from_strided_views() -> None:
     """K and V as views into one fused qkv row (row stride > Hkv * D), a negative slot skipped,
     a slot past the cache refused before anything is written."""
@@ -355,38 +411,38 @@ def test_kv_write_matches_index_copy_from_strided_views() -> None:
     want = torch.randn(2, 6, 16, hkv, d)
     got = want.clone()
     torch_backend.write_kv_cache(k, v, want, slots)
-    assert native.write_kv_f32(k, v, got, slots)
+    assert kernels.write_kv_f32(k, v, got, slots)
     assert torch.equal(got, want)
     before = got.clone()
     slots[3] = 6 * 16
     with pytest.raises(IndexError, match="past the cache"):
-        native.write_kv_f32(k, v, got, slots)
+        kernels.write_kv_f32(k, v, got, slots)
     assert torch.equal(got, before)
     # not its job: other dtypes and layouts go to the torch path
-    assert not native.write_kv_f32(k.double(), v.double(), got.double(), slots)
-    assert not native.write_kv_f32(k.transpose(1, 2).contiguous().transpose(1, 2), v, got, slots)
+    assert not kernels.write_kv_f32(k.double(), v.double(), got.double(), slots)
+    assert not kernels.write_kv_f32(k.transpose(1, 2).contiguous().transpose(1, 2), v, got, slots)
 
 
-@pytest.mark.usefixtures("kernels")
+@pytest.mark.usefixtures("each_build")
 @pytest.mark.parametrize(("n", "k"), [(96, 40), (64, 577), (960, 576)])
 def test_small_gemm_matches_matmul_and_a_row_never_depends_on_the_batch(n: int, k: int) -> None:
     torch.manual_seed(6)
     weight, bias = torch.randn(n, k), torch.randn(n)
-    panels = native.pack_panels(weight)
+    panels = kernels.pack_panels(weight)
     assert panels is not None
     x = torch.randn(130, k)
     for m in (*range(1, 18), 29, 41, 64, 130):  # every register-tile height, and splits into tiles
-        got = native.small_gemm(x[:m], panels, None)
+        got = kernels.small_gemm(x[:m], panels, None)
         torch.testing.assert_close(got, x[:m] @ weight.T, rtol=1e-5, atol=1e-4)
-        with_bias = native.small_gemm(x[:m], panels, bias)
+        with_bias = kernels.small_gemm(x[:m], panels, bias)
         torch.testing.assert_close(with_bias, x[:m] @ weight.T + bias, rtol=1e-5, atol=1e-4)
-    alone = torch.cat([native.small_gemm(x[i : i + 1], panels, bias) for i in range(29)])
-    assert torch.equal(native.small_gemm(x[:29], panels, bias), alone)
+    alone = torch.cat([kernels.small_gemm(x[i : i + 1], panels, bias) for i in range(29)])
+    assert torch.equal(kernels.small_gemm(x[:29], panels, bias), alone)
 
 
 def test_small_gemm_needs_whole_panels() -> None:
-    assert native.pack_panels(torch.randn(100, 64)) is None
-    assert native.pack_panels(torch.randn(96, 64).double()) is None
+    assert kernels.pack_panels(torch.randn(100, 64)) is None
+    assert kernels.pack_panels(torch.randn(96, 64).double()) is None
 
 
 def _thp_mode() -> str | None:
@@ -416,7 +472,7 @@ def _thp_eligible(address: int) -> bool | None:
 
 
 def test_huge_page_arena_hands_out_disjoint_aligned_buffers() -> None:
-    arena = native.HugePageArena(chunk_bytes=native.HUGE_PAGE)
+    arena = kernels.HugePageArena(chunk_bytes=kernels.HUGE_PAGE)
     # a chunk holds 524,288 floats: the fourth buffer starts a new chunk, the fifth needs one
     # larger than chunk_bytes, the sixth finds it full
     sizes = [5, 100_000, 300_000, 200_000, 1 << 20, 7]
@@ -429,18 +485,18 @@ def test_huge_page_arena_hands_out_disjoint_aligned_buffers() -> None:
         assert torch.equal(b, torch.full_like(b, float(i)))  # nothing overwrote anything
     if arena.huge:
         for first_of_chunk in (0, 3, 4, 5):  # a chunk starts on a huge page
-            assert bufs[first_of_chunk].data_ptr() % native.HUGE_PAGE == 0
+            assert bufs[first_of_chunk].data_ptr() % kernels.HUGE_PAGE == 0
         assert bufs[1].data_ptr() - bufs[0].data_ptr() == 64  # 5 floats, rounded to a cache line
         if _thp_mode() in ("always", "madvise"):
             assert all(_thp_eligible(b.data_ptr()) for b in bufs)
-    plain = native.HugePageArena()
+    plain = kernels.HugePageArena()
     plain.huge = False  # no MADV_HUGEPAGE on this OS: ordinary tensors
     assert plain.empty(10).shape == (10,)
 
 
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
 def test_packed_panels_live_in_memory_advised_for_huge_pages() -> None:
-    panels = native.pack_panels(torch.randn(96, 64))
+    panels = kernels.pack_panels(torch.randn(96, 64))
     assert panels is not None
     assert _thp_eligible(panels.data_ptr())
     plain = torch.empty(1 << 20)  # the control: torch's own allocation is not advised
@@ -448,18 +504,19 @@ def test_packed_panels_live_in_memory_advised_for_huge_pages() -> None:
 
 
 def test_linear_takes_the_panels_for_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cbgen.cpu.linear import onednn_packing_available
     from cbgen.models import llama
 
     torch.manual_seed(7)
     layer = llama.Linear(64, 96, bias=True)
-    layer.pack(onednn=llama.onednn_packing_available(), panels=True)
+    layer.pack(onednn=onednn_packing_available(), panels=True)
     calls = []
-    inner = native.small_gemm
-    monkeypatch.setattr(native, "small_gemm", lambda *a: calls.append(a[0].shape[0]) or inner(*a))
-    for m in (1, native.SMALL_GEMM_MAX_ROWS, native.SMALL_GEMM_MAX_ROWS + 1):
+    inner = kernels.small_gemm
+    monkeypatch.setattr(kernels, "small_gemm", lambda *a: calls.append(a[0].shape[0]) or inner(*a))
+    for m in (1, kernels.SMALL_GEMM_MAX_ROWS, kernels.SMALL_GEMM_MAX_ROWS + 1):
         x = torch.randn(m, 64)
         torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-4)
-    assert calls == [1, native.SMALL_GEMM_MAX_ROWS]
+    assert calls == [1, kernels.SMALL_GEMM_MAX_ROWS]
 
 
 def test_every_kernel_source_ships_as_package_data() -> None:
@@ -469,43 +526,44 @@ def test_every_kernel_source_ships_as_package_data() -> None:
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     root = Path(__file__).resolve().parents[1]
-    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["cbgen.attention"]
-    pkg = root / "cbgen" / "attention"
-    needed = [*native._SRCS, *native._HEADERS]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["cbgen.cpu"]
+    pkg = root / "cbgen" / "cpu"
+    needed = [*cpu_build._SRCS, *cpu_build._HEADERS]
     assert needed and all(p.exists() for p in needed)
     for path in needed:
         rel = path.relative_to(pkg).as_posix()
         assert any(fnmatch.fnmatch(rel, g) for g in globs), rel
 
 
-
 # ---- builds: the AVX2 build, the cache key, the status line, the fallback -----------------
 
 
 def test_small_gemm_is_bit_identical_without_avx512(
-    avx2_build: native.Build, monkeypatch: pytest.MonkeyPatch
+    avx2_build: cpu_build.Build, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each output is one in-order sum over k on either ISA: a CPU without AVX-512 computes the
     very same matmul results."""
     torch.manual_seed(11)
     weight, bias, x = torch.randn(96, 577), torch.randn(96), torch.randn(37, 577)
-    panels = native.pack_panels(weight)
+    panels = kernels.pack_panels(weight)
     assert panels is not None
-    want = native.small_gemm(x, panels, bias)
+    want = kernels.small_gemm(x, panels, bias)
     lib = avx2_build.library
-    monkeypatch.setattr(native, "load_library", lambda extra_flags=(): lib)
-    avx2_panels = native.pack_panels(weight)
+    monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): lib)
+    avx2_panels = kernels.pack_panels(weight)
     assert avx2_panels is not None and torch.equal(avx2_panels, panels)
-    assert torch.equal(native.small_gemm(x, avx2_panels, bias), want)
+    assert torch.equal(kernels.small_gemm(x, avx2_panels, bias), want)
 
 
-def _other_node(here: native.Target) -> native.Target:
+def _other_node(here: cpu_build.Target) -> cpu_build.Target:
     """The same compiler on a CPU of another generation: AVX-512 where this one has none, or
     none where it has it."""
     macros = {k: v for k, v in here.macros.items() if not k.startswith("__AVX512")}
     if macros == dict(here.macros):
         macros |= {"__AVX512F__": "1", "__AVX512BF16__": "1"}
-    return native.Target(here.compiler, here.version, macros)
+    return cpu_build.Target(here.compiler, here.version, macros)
 
 
 def test_the_cache_key_names_compiler_version_and_target_isa() -> None:
@@ -513,18 +571,18 @@ def test_the_cache_key_names_compiler_version_and_target_isa() -> None:
         "__x86_64__": "1", "__tune_znver4__": "1", "__AVX512F__": "1", "__AVX512BF16__": "1",
         "__AVX2__": "1", "__FMA__": "1", "__GNUC__": "12", "__GNUC_MINOR__": "2",
     }  # fmt: skip
-    zen4 = native.Target("/usr/bin/cc", "cc (Debian 12.2.0-14) 12.2.0", macros)
+    zen4 = cpu_build.Target("/usr/bin/cc", "cc (Debian 12.2.0-14) 12.2.0", macros)
     assert zen4.describe() == "x86-64 znver4 avx512f avx512bf16 avx2 fma (gcc 12.2)"
     payload = b"sources and flags"
     key = zen4.key(payload)
-    assert key == native.Target(zen4.compiler, zen4.version, dict(macros)).key(payload)
+    assert key == cpu_build.Target(zen4.compiler, zen4.version, dict(macros)).key(payload)
     others = [
         _other_node(zen4),
-        native.Target("/opt/gcc13/bin/cc", zen4.version, macros),
-        native.Target(zen4.compiler, "cc (Debian 13.1.0-1) 13.1.0", macros),
+        cpu_build.Target("/opt/gcc13/bin/cc", zen4.version, macros),
+        cpu_build.Target(zen4.compiler, "cc (Debian 13.1.0-1) 13.1.0", macros),
     ]
     assert len({key, *(t.key(payload) for t in others), zen4.key(payload + b" -O2")}) == 5
-    avx2 = native.Target(
+    avx2 = cpu_build.Target(
         "cc", "", {"__x86_64__": "1", "__AVX2__": "1", "__FMA__": "1", "__clang_major__": "17"}
     )
     assert avx2.describe() == "x86-64 avx2 fma (clang 17.0)"
@@ -533,20 +591,20 @@ def test_the_cache_key_names_compiler_version_and_target_isa() -> None:
 def test_a_library_cached_for_another_target_is_never_loaded(tmp_path: Path) -> None:
     """A shared home folder holds a library built on another node: this node's loader looks
     only under its own key and loads the library built for it."""
-    cc = native.find_compiler()
+    cc = cpu_build.find_compiler()
     assert cc is not None
-    flags = tuple(native._FLAGS)
-    payload = native.build_payload(flags)
-    here = native.probe_target(cc, flags)
+    flags = tuple(cpu_build._FLAGS)
+    payload = cpu_build.build_payload(flags)
+    here = cpu_build.probe_target(cc, flags)
     elsewhere = _other_node(here)
     assert elsewhere.key(payload) != here.key(payload)
     foreign = tmp_path / f"cbgen_cpu_{elsewhere.key(payload)}.so"
     foreign.write_bytes(b"\x7fELF: a library for another CPU")
     # this node's build, as an earlier run left it (saves a compile here)
-    built = native.build_library(native.cache_dir())
+    built = cpu_build.build_library(cpu_build.cache_dir())
     assert built.path is not None and built.path.name == f"cbgen_cpu_{here.key(payload)}.so"
     shutil.copy(built.path, tmp_path / built.path.name)
-    build = native.build_library(tmp_path)
+    build = cpu_build.build_library(tmp_path)
     assert build.library is not None, build.status()
     assert build.path == tmp_path / built.path.name
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([foreign.name, built.path.name])
@@ -556,12 +614,12 @@ def test_a_library_cached_for_another_target_is_never_loaded(tmp_path: Path) -> 
 def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """load_library and native_status start over with their cache in tmp_path/cache; the
     real build is back after the test."""
-    monkeypatch.setattr(native, "cache_dir", lambda: tmp_path / "cache")
-    native._build.cache_clear()
-    native.load_library.cache_clear()
+    monkeypatch.setattr(cpu_build, "cache_dir", lambda: tmp_path / "cache")
+    cpu_build._build.cache_clear()
+    kernels.load_library.cache_clear()
     yield tmp_path / "cache"
-    native._build.cache_clear()
-    native.load_library.cache_clear()
+    cpu_build._build.cache_clear()
+    kernels.load_library.cache_clear()
 
 
 def _put_first_on_path(
@@ -580,18 +638,19 @@ def test_a_failed_build_is_reported_with_the_compilers_words_in_a_log(
 ) -> None:
     """A compiler that fails at once (even `cc --version`), or only when it compiles a source:
     no library, and the status line points to a log holding the command and its stderr."""
-    real = native.find_compiler()
+    real = cpu_build.find_compiler()
     script = 'echo "cc1: fatal error: this compiler is broken" >&2\nexit 1\n'
     if stage == "compile":
         script = (
             f'case " $* " in *" -c "*) {script.replace(chr(10), "; ")};; esac\nexec {real} "$@"\n'
         )
     _put_first_on_path(monkeypatch, tmp_path / "bin", script)
-    assert native.load_library() is None
+    assert kernels.load_library() is None
     logs = list(fresh_build.glob("build-*.log"))
     assert len(logs) == 1 and not list(fresh_build.glob("*.so"))
     assert (
-        native.native_status() == f"native CPU kernels: unavailable (build failed, see {logs[0]})"
+        cpu_build.native_status()
+        == f"native CPU kernels: unavailable (build failed, see {logs[0]})"
     )
     text = logs[0].read_text()
     assert "this compiler is broken" in text and str(tmp_path / "bin" / "cc") in text
@@ -602,8 +661,8 @@ def test_no_compiler_is_reported(
     fresh_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert native.load_library() is None
-    assert native.native_status() == "native CPU kernels: unavailable (no C compiler)"
+    assert kernels.load_library() is None
+    assert cpu_build.native_status() == "native CPU kernels: unavailable (no C compiler)"
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -628,14 +687,14 @@ def test_without_the_kernels_the_engine_gives_the_same_greedy_tokens(
         return engine, [o.output_token_ids for o in LLM(engine=engine).generate(prompts, params)]
 
     with_kernels, want = run()
-    assert with_kernels.model.fused_cpu_ops and with_kernels.model.lm_head_panels is not None
+    assert with_kernels.model.ops is CPU_OPS and with_kernels.model.lm_head_panels is not None
     assert (
         "CPU " in with_kernels.describe()
         and "native CPU kernels: built for" in with_kernels.describe()
     )
-    monkeypatch.setattr(native, "load_library", lambda extra_flags=(): None)
+    monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): None)
     without, got = run()
-    assert not without.model.fused_cpu_ops and without.model.lm_head_panels is None
+    assert without.model.ops is TORCH_OPS and without.model.lm_head_panels is None
     assert got == want and all(len(t) == 24 for t in got)
 
 
@@ -643,34 +702,34 @@ def test_without_the_kernels_the_engine_gives_the_same_greedy_tokens(
 
 
 def test_wrong_dtypes_and_shapes_raise_before_any_pointer_reaches_c() -> None:
-    x, panels = torch.randn(3, 64), torch.randn(3, 64, native.PANEL)
+    x, panels = torch.randn(3, 64), torch.randn(3, 64, kernels.PANEL)
     kv = torch.randn(2, 4, 16, 2, 64)
     bt, sl = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     residual, weight = torch.randn(5, 64), torch.ones(64)
     before = residual.clone()
     cos = torch.randn(32, 16)
     cases: list[tuple[Callable[[], object], type[Exception], str]] = [
-        (lambda: native.small_gemm(x.double(), panels, None), TypeError, "x: expected torch.float32, got torch.float64"),
-        (lambda: native.small_gemm(torch.randn(3, 65), panels, None), ValueError, r"x: expected shape \[M, 64\], got \[3, 65\]"),
-        (lambda: native.small_gemm(x, panels, torch.randn(95)), ValueError, r"bias: expected shape \[96\]"),
-        (lambda: native.small_gemm(x, panels[:, :, :16], None), ValueError, "panels: expected shape"),
-        (lambda: native.silu_mul(torch.randn(3, 7)), ValueError, "gate_up: expected an even number of columns"),
-        (lambda: native.silu_mul(torch.randn(3, 8).half()), TypeError, "gate_up: expected torch.float32"),
-        (lambda: native.add_rmsnorm_(residual, None, torch.ones(63), 1e-6), ValueError, r"weight: expected shape \[64\]"),
-        (lambda: native.add_rmsnorm_(residual, torch.randn(64, 5).t(), weight, 1e-6), ValueError, "x: expected a contiguous"),
-        (lambda: native.rope_(torch.randn(3, 128), 2, 32, torch.zeros(3, dtype=torch.int32), cos, cos), TypeError, "positions: expected torch.int64"),
-        (lambda: native.rope_(torch.randn(3, 64), 4, 32, torch.zeros(3, dtype=torch.int64), cos, cos), ValueError, "x: rows of 4 heads x 32"),
-        (lambda: native.paged_decode_f32(torch.randn(2, 4, 64), kv, bt.long(), sl, 0.1), TypeError, "block_table: expected torch.int32"),
-        (lambda: native.paged_decode_f32(torch.randn(2, 4, 64), kv[..., :32], bt, sl, 0.1), ValueError, r"kv_cache: expected shape \[2, num_blocks, block_size, Hkv, 64\]"),
-        (lambda: native.paged_decode_f32(torch.randn(2, 4, 64), kv[:, :, :8], bt, sl, 0.1), ValueError, "kv_cache: expected a contiguous"),
-        (lambda: native.paged_decode_f32(torch.randn(3, 4, 64), kv, bt, sl, 0.1), ValueError, r"block_table: expected shape \[3, n\]"),
-        (lambda: native.paged_decode_f32(torch.randn(2, 3, 64), kv, bt, sl, 0.1), ValueError, "not a multiple of the cache's 2 KV heads"),
-        (lambda: native.sample(torch.randn(2, 10), torch.ones(3), torch.rand(2)), ValueError, r"temperature: expected shape \[2\]"),
-        (lambda: native.prefill_attention_f32(torch.randn(4, 2, 64), torch.randn(4, 2, 32), torch.randn(4, 2, 32), 0.1), ValueError, "key: expected shape"),
-        (lambda: native.prefill_attention_f32(torch.randn(5, 2, 64), torch.randn(4, 2, 64), torch.randn(4, 2, 64), 0.1), ValueError, "cannot serve a query of 5"),
-        (lambda: native.exp_sub_sum_(torch.randn(8).double(), 0.0), TypeError, "scores: expected torch.float32"),
-        (lambda: native.head_bf16(torch.randn(2, 8), x[:2], x[:2].bfloat16(), torch.randn(8, 64), torch.ones(8), torch.ones(8), (0.0, 1.0, 0.0, 0.0), torch.zeros(2), torch.zeros(2), 1), TypeError, "logits: expected torch.bfloat16"),
-        (lambda: native.pack_panels(torch.randn(96)), ValueError, "weight: expected a 2-D CPU tensor"),
+        (lambda: kernels.small_gemm(x.double(), panels, None), TypeError, "x: expected torch.float32, got torch.float64"),
+        (lambda: kernels.small_gemm(torch.randn(3, 65), panels, None), ValueError, r"x: expected shape \[M, 64\], got \[3, 65\]"),
+        (lambda: kernels.small_gemm(x, panels, torch.randn(95)), ValueError, r"bias: expected shape \[96\]"),
+        (lambda: kernels.small_gemm(x, panels[:, :, :16], None), ValueError, "panels: expected shape"),
+        (lambda: kernels.silu_mul(torch.randn(3, 7)), ValueError, "gate_up: expected an even number of columns"),
+        (lambda: kernels.silu_mul(torch.randn(3, 8).half()), TypeError, "gate_up: expected torch.float32"),
+        (lambda: kernels.add_rmsnorm_(residual, None, torch.ones(63), 1e-6), ValueError, r"weight: expected shape \[64\]"),
+        (lambda: kernels.add_rmsnorm_(residual, torch.randn(64, 5).t(), weight, 1e-6), ValueError, "x: expected a contiguous"),
+        (lambda: kernels.rope_(torch.randn(3, 128), 2, 32, torch.zeros(3, dtype=torch.int32), cos, cos), TypeError, "positions: expected torch.int64"),
+        (lambda: kernels.rope_(torch.randn(3, 64), 4, 32, torch.zeros(3, dtype=torch.int64), cos, cos), ValueError, "x: rows of 4 heads x 32"),
+        (lambda: kernels.paged_decode_f32(torch.randn(2, 4, 64), kv, bt.long(), sl, 0.1), TypeError, "block_table: expected torch.int32"),
+        (lambda: kernels.paged_decode_f32(torch.randn(2, 4, 64), kv[..., :32], bt, sl, 0.1), ValueError, r"kv_cache: expected shape \[2, num_blocks, block_size, Hkv, 64\]"),
+        (lambda: kernels.paged_decode_f32(torch.randn(2, 4, 64), kv[:, :, :8], bt, sl, 0.1), ValueError, "kv_cache: expected a contiguous"),
+        (lambda: kernels.paged_decode_f32(torch.randn(3, 4, 64), kv, bt, sl, 0.1), ValueError, r"block_table: expected shape \[3, n\]"),
+        (lambda: kernels.paged_decode_f32(torch.randn(2, 3, 64), kv, bt, sl, 0.1), ValueError, "not a multiple of the cache's 2 KV heads"),
+        (lambda: kernels.sample(torch.randn(2, 10), torch.ones(3), torch.rand(2)), ValueError, r"temperature: expected shape \[2\]"),
+        (lambda: kernels.prefill_attention_f32(torch.randn(4, 2, 64), torch.randn(4, 2, 32), torch.randn(4, 2, 32), 0.1), ValueError, "key: expected shape"),
+        (lambda: kernels.prefill_attention_f32(torch.randn(5, 2, 64), torch.randn(4, 2, 64), torch.randn(4, 2, 64), 0.1), ValueError, "cannot serve a query of 5"),
+        (lambda: kernels.exp_sub_sum_(torch.randn(8).double(), 0.0), TypeError, "scores: expected torch.float32"),
+        (lambda: kernels.head_bf16(torch.randn(2, 8), x[:2], x[:2].bfloat16(), torch.randn(8, 64), torch.ones(8), torch.ones(8), (0.0, 1.0, 0.0, 0.0), torch.zeros(2), torch.zeros(2), 1), TypeError, "logits: expected torch.bfloat16"),
+        (lambda: kernels.pack_panels(torch.randn(96)), ValueError, "weight: expected a 2-D CPU tensor"),
     ]  # fmt: skip
     for call, error, message in cases:
         with pytest.raises(error, match=message):
@@ -682,10 +741,10 @@ def test_the_checks_hold_under_python_optimisations() -> None:
     """`python -O` strips assert statements; the wrappers' checks are not asserts."""
     code = (
         "import torch\n"
-        "from cbgen.attention import native\n"
+        "from cbgen.cpu import kernels\n"
         "assert False, 'assert statements still run'\n"
         "try:\n"
-        "    native.small_gemm(torch.randn(2, 64, dtype=torch.float64), torch.randn(3, 64, 32), None)\n"
+        "    kernels.small_gemm(torch.randn(2, 64, dtype=torch.float64), torch.randn(3, 64, 32), None)\n"
         "except TypeError as e:\n"
         "    print('refused:', e)\n"
     )

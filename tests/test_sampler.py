@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from cbgen.attention import native
 from cbgen.config import EngineConfig, SamplingParams
+from cbgen.cpu import kernels
 from cbgen.engine.engine import Engine
 from cbgen.engine.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
 from cbgen.llm import LLM
@@ -38,7 +38,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def direct_keep(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     """The tokens top-k, then top-p, then min-p keep, computed the plain way in float64."""
     order = sorted(range(len(logits)), key=lambda v: -logits[v])
-    kept = order[: top_k] if top_k > 0 else order
+    kept = order[:top_k] if top_k > 0 else order
     p = softmax(logits[kept].astype(np.float64))
     nucleus, mass = [], 0.0
     for v, pv in zip(kept, p, strict=True):
@@ -82,7 +82,9 @@ def test_top_p_one_keeps_every_token_beside_rows_that_cut() -> None:
     """The cumulative sum over a large vocabulary rounds past 1.0: a top_p=1 row in a batch with
     a top_p<1 row must still keep its whole tail."""
     logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(1)) * 3.0
-    out = filter_logits(logits, torch.tensor([0, 0]), torch.tensor([1.0, 0.9]), torch.tensor([0.0, 0.0]))
+    out = filter_logits(
+        logits, torch.tensor([0, 0]), torch.tensor([1.0, 0.9]), torch.tensor([0.0, 0.0])
+    )
     assert bool(torch.isfinite(out[0]).all())
     assert int(torch.isfinite(out[1]).sum()) < 49152
 
@@ -90,7 +92,9 @@ def test_top_p_one_keeps_every_token_beside_rows_that_cut() -> None:
 # ---- penalties ----------------------------------------------------------------------------
 
 
-def direct_penalties(logits: list[float], prompt: list[int], output: list[int], rep: float, pres: float, freq: float) -> list[float]:
+def direct_penalties(
+    logits: list[float], prompt: list[int], output: list[int], rep: float, pres: float, freq: float
+) -> list[float]:
     out = []
     for v, x in enumerate(logits):
         if v in prompt or v in output:
@@ -108,7 +112,9 @@ def test_penalties_match_a_direct_computation(rep: float, pres: float, freq: flo
     logits = [2.0, -1.0, 0.5, 3.0, -2.5, 0.0, 1.5, -0.25]
     prompt, output = [0, 1, 1], [3, 3, 3, 4, 0]
     got = apply_penalties(torch.tensor(logits), prompt, output, rep, pres, freq)
-    assert got.tolist() == pytest.approx(direct_penalties(logits, prompt, output, rep, pres, freq), abs=1e-6)
+    assert got.tolist() == pytest.approx(
+        direct_penalties(logits, prompt, output, rep, pres, freq), abs=1e-6
+    )
 
 
 def test_greedy_sampling_applies_penalties_first() -> None:
@@ -151,13 +157,19 @@ def test_min_tokens_holds_back_eos_and_stop_ids() -> None:
 
 @pytest.mark.parametrize(
     "target",
-    [SamplingParams(temperature=0.8, top_p=0.95, seed=123), SamplingParams(temperature=0.8, seed=123)],
+    [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=123),
+        SamplingParams(temperature=0.8, seed=123),
+    ],
     ids=["masked", "plain"],  # the torch ops / on the CPU, the C kernel, whatever the batch holds
 )
 def test_a_seeded_row_draws_the_same_alone_and_in_a_batch(target: SamplingParams) -> None:
     vocab = 50
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3))
-    others = [SamplingParams(temperature=t, top_k=k) for t, k in [(1.0, 0), (0.0, 0), (0.5, 5), (1.2, 0), (0.9, 2)]]
+    others = [
+        SamplingParams(temperature=t, top_k=k)
+        for t, k in [(1.0, 0), (0.0, 0), (0.5, 5), (1.2, 0), (0.9, 2)]
+    ]
     other_rows = [row(p, seed=40 + i) for i, p in enumerate(others)]
     # the same 20 steps, alone and as row 2 of 6 (the others: other generators, greedy rows)
     g_alone, g_batch = row(target, seed=123), row(target, seed=123)
@@ -193,8 +205,10 @@ def test_rows_without_masks_draw_what_the_torch_ops_draw(monkeypatch: pytest.Mon
     logits = 4 * torch.randn(64, 49152, generator=torch.Generator().manual_seed(9))
     logits[:, ::11] = float("-inf")
     params = [
-        SamplingParams(temperature=0.0) if i % 9 == 0
-        else SamplingParams(temperature=1.0, top_p=0.9) if i % 5 == 0
+        SamplingParams(temperature=0.0)
+        if i % 9 == 0
+        else SamplingParams(temperature=1.0, top_p=0.9)
+        if i % 5 == 0
         else SamplingParams(temperature=[1.0, 0.6, 1.7][i % 3])
         for i in range(64)
     ]
@@ -204,13 +218,13 @@ def test_rows_without_masks_draw_what_the_torch_ops_draw(monkeypatch: pytest.Mon
         return [Sampler()(logits.clone(), rows_) for _ in range(3)]
 
     calls: list[int] = []
-    inner = native.sample
-    monkeypatch.setattr(native, "sample", lambda x, *a: calls.append(x.shape[0]) or inner(x, *a))
+    inner = kernels.sample
+    monkeypatch.setattr(kernels, "sample", lambda x, *a: calls.append(x.shape[0]) or inner(x, *a))
     with_kernel = draw()
     if inner(logits[:1], torch.ones(1), torch.zeros(1)) is None:
         pytest.skip("no C compiler")
     assert calls == [sum(1 for p in params if not p.greedy and p.top_p == 1.0)] * 3
-    monkeypatch.setattr(native, "sample", lambda *a: None)
+    monkeypatch.setattr(kernels, "sample", lambda *a: None)
     assert draw() == with_kernel
     assert len({t for step in with_kernel for t in step}) > 100
 
@@ -243,19 +257,25 @@ PROMPTS = [
 def test_engine_greedy_temperature_zero_equals_top_k_one(engine: Engine) -> None:
     llm = LLM(engine=engine)
     zero = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    top1 = llm.generate(PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=12, ignore_eos=True, seed=5))
+    top1 = llm.generate(
+        PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=12, ignore_eos=True, seed=5)
+    )
     assert [o.output_token_ids for o in zero] == [o.output_token_ids for o in top1]
     assert all(len(o.output_token_ids) == 12 for o in zero)
 
 
 @pytest.mark.parametrize("top_p", [0.9, 1.0], ids=["logits", "plain"])  # plain: the CPU's bf16 head
-def test_engine_seeded_request_is_the_same_alone_and_in_a_busy_batch(engine: Engine, top_p: float) -> None:
+def test_engine_seeded_request_is_the_same_alone_and_in_a_busy_batch(
+    engine: Engine, top_p: float
+) -> None:
     target = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=16, ignore_eos=True, seed=77)
     alone = LLM(engine=engine).generate([PROMPTS[1]], target)[0].output_token_ids
     # busy: other sampled and greedy requests ahead of and behind it, chunked prefill
     # (budget 6) and a KV cache so small that requests are preempted and recomputed
     busy_engine = Engine(
-        engine.config.replace(max_num_batched_tokens=6, kv_cache_memory=engine.kv_bytes_per_block * 14),
+        engine.config.replace(
+            max_num_batched_tokens=6, kv_cache_memory=engine.kv_bytes_per_block * 14
+        ),
         share_weights_with=engine,
     )
     params = [

@@ -1,7 +1,7 @@
 """The cpu attention backend: the torch reference's plan, with the C kernels of
-cbgen.attention.native doing the work in float32 (the auto choice on the CPU).
+cbgen.cpu.kernels doing the work in float32 (the auto choice on the CPU).
 
-    new K/V             native.write_kv_f32: one C call from the strided K/V views of the
+    new K/V             kernels.write_kv_f32: one C call from the strided K/V views of the
                         fused qkv rows
     decodes, and        the C decode kernel straight from the block table, one query token
     small prefill       at a time (query token j of a chunk is a one-token query over
@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cbgen.attention import native, torch_backend
+from cbgen.attention import torch_backend
 from cbgen.attention.base import AttentionBackend, AttentionMetadata
 from cbgen.attention.torch_backend import AttentionPlan, PrefillChunk
+from cbgen.cpu import kernels
 
 NATIVE_PREFILL_ROWS = 8192
 """A prefill chunk goes to the C decode kernel when its query tokens read at most this many
@@ -114,7 +115,7 @@ def attend(
     prefills = nat.prefills
     if nat.tokens.numel():
         all_native = nat.tokens.shape[0] == query.shape[0]  # then row i is token i
-        o = native.paged_decode_f32(
+        o = kernels.paged_decode_f32(
             query if all_native else query[nat.tokens], kv_cache, nat.blocks, nat.seq_lens, scale
         )
         if o is not None and all_native:
@@ -130,7 +131,7 @@ def attend(
     for chunk in prefills:
         start, end = chunk[0], chunk[1]
         keys, values = torch_backend.gather_context(kv_cache, chunk)
-        o = native.prefill_attention_f32(query[start:end], keys, values, scale)
+        o = kernels.prefill_attention_f32(query[start:end], keys, values, scale)
         out[start:end] = (
             o
             if o is not None
@@ -167,7 +168,7 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         plan: CpuPlan = meta.state
-        if not native.write_kv_f32(key, value, kv_cache, meta.slot_mapping):
+        if not kernels.write_kv_f32(key, value, kv_cache, meta.slot_mapping):
             torch_backend.write_kv_cache(
                 key, value, kv_cache, meta.slot_mapping, plan.reference.may_have_negative
             )

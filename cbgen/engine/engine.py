@@ -17,6 +17,8 @@ import torch
 
 from cbgen.attention import get_attention_backend
 from cbgen.config import EngineConfig, SamplingParams
+from cbgen.cpu.build import native_status
+from cbgen.cpu.features import cpu_info
 from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
 from cbgen.engine.profile import profile_peak_memory
@@ -211,7 +213,7 @@ class Engine:
             f"attention {self.backend.name}; KV cache {self.num_blocks} blocks x {self.config.block_size} "
             f"tokens = {tokens} tokens ({self.num_blocks * self.kv_bytes_per_block / GiB:.2f} GiB), "
             f"room for {tokens // self.max_model_len}+ sequences at max_model_len {self.max_model_len}"
-        )
+        ) + (f"; {cpu_info().describe()}; {native_status()}" if self.device.type == "cpu" else "")
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

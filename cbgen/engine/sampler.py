@@ -2,12 +2,12 @@
 
 One call per step for the requests that sample from float32 logits (on a CPU with native
 bf16 matmuls, plain greedy and plain temperature rows take the exact bf16 LM head instead,
-cbgen.models.llama.Bf16Head, and come here only if it hands them back). Each random row draws one uniform number
+cbgen.cpu.linear.Bf16Head, and come here only if it hands them back). Each random row draws one uniform number
 from its request's own generator and takes the token where the cumulative distribution passes
 it (inverse CDF), so a seeded request gives the same tokens alone or
 inside any batch, at the cost of one draw per row rather than one per vocabulary entry. On the
 CPU, rows without top-k / top-p / min-p take that rule in one C pass per row
-(cbgen.attention.native.sample); the others, and other devices, take the torch ops.
+(cbgen.cpu.kernels.sample); the others, and other devices, take the torch ops.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cbgen.attention import native
 from cbgen.config import SamplingParams
+from cbgen.cpu import kernels
 
 
 @dataclass
@@ -88,7 +88,9 @@ def apply_penalties(
         ids = list(prompt_token_ids) + list(output_token_ids)
         if ids:
             seen[torch.tensor(ids, device=device)] = True
-        penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        penalised = torch.where(
+            logits > 0, logits / repetition_penalty, logits * repetition_penalty
+        )
         logits.copy_(torch.where(seen, penalised, logits))
     if (presence_penalty != 0.0 or frequency_penalty != 0.0) and output_token_ids:
         counts = torch.bincount(
@@ -147,7 +149,9 @@ def _rows(sel: list[int], n: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return list(tensors) if len(sel) == n else [t[sel] for t in tensors]
 
 
-def _sample_torch(ps: Sequence[SamplingParams], sub: torch.Tensor, temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _sample_torch(
+    ps: Sequence[SamplingParams], sub: torch.Tensor, temp: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
     """Divide by the temperature, apply the masks, then the first token whose cumulative
     weight exceeds u x total: never a zero-weight token (adding 0 leaves the sum exactly as it
     was), never past the last one. sub [B, V] is the sampler's own: modified in place."""
@@ -205,20 +209,26 @@ class Sampler:
             ps = [rows[i].params for i in random_rows]
             dev = logits.device
             temp = torch.tensor([p.temperature for p in ps], device=dev, dtype=sub.dtype)
-            u = torch.cat([torch.rand(1, generator=rows[i].generator, device="cpu") for i in random_rows]).to(dev)
+            u = torch.cat(
+                [torch.rand(1, generator=rows[i].generator, device="cpu") for i in random_rows]
+            ).to(dev)
             # a row without masks takes the C kernel on the CPU (the same rule, one pass per
             # row); the choice depends on the row alone, so a seeded row draws the same tokens
             # whatever shares its batch
-            kernel = [j for j, p in enumerate(ps) if not _filters(p, vocab)] if dev.type == "cpu" else []
+            kernel = (
+                [j for j, p in enumerate(ps) if not _filters(p, vocab)] if dev.type == "cpu" else []
+            )
             picked = torch.empty(len(ps), dtype=torch.long, device=dev)
             if kernel:
-                got = native.sample(*_rows(kernel, len(ps), sub, temp, u))
+                got = kernels.sample(*_rows(kernel, len(ps), sub, temp, u))
                 if got is None:  # no kernels, or a NaN / +inf logit: the torch ops decide
                     kernel = []
                 else:
                     picked[kernel] = got
             rest = sorted(set(range(len(ps))) - set(kernel))
             if rest:
-                picked[rest] = _sample_torch([ps[i] for i in rest], *_rows(rest, len(ps), sub, temp, u))
+                picked[rest] = _sample_torch(
+                    [ps[i] for i in rest], *_rows(rest, len(ps), sub, temp, u)
+                )
             out[idx] = picked
         return out.tolist()

@@ -28,6 +28,9 @@ import torch
 from torch import nn
 
 from cbgen.config import DEFAULT_MODEL
+from cbgen.cpu.kernels import fused_ops_available
+from cbgen.cpu.linear import Bf16Head, bf16_matmul_fast, onednn_packing_available
+from cbgen.cpu.ops import CPU_OPS
 from cbgen.models.config import BUILTIN_SHAPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from cbgen.models.errors import ModelFileError, one_line, read_json_object
 from cbgen.models.gguf_file import GGUFError, GGUFFile
@@ -338,12 +341,11 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     if device.type == "cpu" and dtype == torch.float32:
-        from cbgen.attention.native import fused_ops_available
-        from cbgen.models.llama import Bf16Head, bf16_matmul_fast, onednn_packing_available
-
-        model.fused_cpu_ops = fused_ops_available()
-        model.pack_linear_weights(onednn=onednn_packing_available(), panels=model.fused_cpu_ops)
-        if model.fused_cpu_ops and bf16_matmul_fast():
+        native = fused_ops_available()
+        if native:
+            model.ops = CPU_OPS
+        model.pack_linear_weights(onednn=onednn_packing_available(), panels=native)
+        if native and bf16_matmul_fast():
             model.bf16_head = Bf16Head(model.head_weight.data)
     return model
 

@@ -1,285 +1,17 @@
-"""Small native CPU kernels, compiled on first use with the system C compiler and loaded with
-ctypes (no torch headers, so a build takes a few seconds). When no compiler is available, or the
-build fails, the torch backend falls back to its pure-torch path; results agree to float32
-rounding, and greedy tokens are the same.
-
-The library is built with -march=native, so it is only valid on CPUs with the ISA it was built
-for. A home folder shared by nodes of several CPU generations must never hand an AVX-512 build
-to an AVX2 node (SIGILL), so the cache key is what the code was built for:
-
-    key = sha256(sources, flags, compiler path, `cc --version`, the macros `cc <flags> -E -dM`
-                 predefines: __AVX512F__, __AVX512BF16__, __AVX2__, __FMA__, __znver4__, ...)
-
-    <cache>/cbgen_cpu_<key>.so      the library
-    <cache>/build-<key>.log         the compiler's command and stderr, when the build failed
-
-The wrappers below check every tensor they hand to C as a raw pointer (dtype, shape, layout,
-device) and raise TypeError or ValueError: those checks must hold under `python -O` too.
+"""The C kernels' Python side: each wrapper checks every tensor it hands to C as a raw pointer
+(dtype, shape, layout, device) and raises TypeError or ValueError (checks that hold under
+`python -O` too), then calls the library that cbgen.cpu.build made for this machine.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
-import logging
 import mmap
-import os
-import re
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
-logger = logging.getLogger("cbgen")
-
-_CSRC = Path(__file__).parent / "csrc"
-# Each source with its contraction rule: attention, the greedy head's float32 recompute and
-# the decode matmul are free to use FMA (they only have to agree with the reference to float32
-# rounding); the fused element-wise ops must round exactly like the torch ops they replace.
-_SRCS = {
-    _CSRC / "paged_decode.c": ("-ffp-contract=fast",),
-    # finite math lets the bound's max reductions vectorise; the source checks the logits',
-    # the hidden state's and the bounds' exponent bits for inf/NaN itself
-    _CSRC / "bf16_head.c": ("-ffp-contract=fast", "-ffinite-math-only"),
-    _CSRC / "small_gemm.c": ("-ffp-contract=fast",),
-    _CSRC / "prefill_attention.c": ("-ffp-contract=fast",),
-    _CSRC / "fused_ops.c": ("-ffp-contract=off",),
-    # SiLU with vexp.h's exp: agrees with torch's to a few ulp, like the attention's softmax
-    _CSRC / "activation.c": ("-ffp-contract=fast",),
-    # temperature sampling: divides by the temperature as torch does (no reciprocal)
-    _CSRC / "sample.c": ("-ffp-contract=off", "-fno-reciprocal-math"),
-}
-_HEADERS = [_CSRC / "vexp.h", _CSRC / "cdf.h"]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
-
-# (predefined macro, name shown) of the ISA extensions the kernels' speed depends on
-_ISA_MACROS = (
-    ("__AVX512F__", "avx512f"),
-    ("__AVX512BF16__", "avx512bf16"),
-    ("__AMX_BF16__", "amx-bf16"),
-    ("__AVX2__", "avx2"),
-    ("__FMA__", "fma"),
-    ("__ARM_NEON", "neon"),
-    ("__ARM_FEATURE_SVE", "sve"),
-    ("__ARM_FEATURE_BF16", "bf16"),
-)
-
-
-def cache_dir() -> Path:
-    """Where built libraries live: $XDG_CACHE_HOME/cbgen/kernels, else ~/.cache/cbgen/kernels."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "cbgen" / "kernels"
-
-
-@dataclass(frozen=True)
-class Target:
-    """What a build is for: the compiler (its path and `--version` line) and the macros it
-    predefines under the build's flags, which spell out the ISA -march=native resolves to."""
-
-    compiler: str
-    version: str
-    macros: Mapping[str, str]
-    """name -> value of every predefined macro (`cc <flags> -E -dM`)."""
-
-    def key(self, payload: bytes) -> str:
-        """16 hex digits naming a build of payload (sources and flags) for this target."""
-        text = "\n".join(
-            [self.compiler, self.version, *(f"{k} {v}" for k, v in sorted(self.macros.items()))]
-        )
-        return hashlib.sha256(payload + b"\0" + text.encode()).hexdigest()[:16]
-
-    def describe(self) -> str:
-        """'x86-64 znver4 avx512f avx512bf16 avx2 fma (gcc 12.2)'."""
-        m = self.macros
-        arch = (
-            "x86-64" if "__x86_64__" in m else "aarch64" if "__aarch64__" in m else "unknown arch"
-        )
-        tune = next((t.group(1) for t in map(re.compile(r"__tune_(\w+)__$").match, m) if t), None)
-        isa = [name for macro, name in _ISA_MACROS if macro in m]
-        if "__clang_major__" in m:
-            compiler = f"clang {m['__clang_major__']}.{m.get('__clang_minor__', '0')}"
-        elif "__GNUC__" in m:
-            compiler = f"gcc {m['__GNUC__']}.{m.get('__GNUC_MINOR__', '0')}"
-        else:
-            compiler = self.version
-        return " ".join([arch, *([tune] if tune else []), *isa]) + f" ({compiler})"
-
-
-class _CommandFailed(Exception):
-    """A compiler command that did not succeed: the command line and what it printed."""
-
-    def __init__(self, cmd: Sequence[str], output: str) -> None:
-        super().__init__(output.strip().splitlines()[-1] if output.strip() else f"{cmd[0]} failed")
-        self.text = f"$ {' '.join(cmd)}\n{output}"
-
-
-def _run(cmd: Sequence[str]) -> str:
-    """stdout of cmd; _CommandFailed when it cannot start or exits non-zero."""
-    try:
-        done = subprocess.run(list(cmd), capture_output=True, text=True, errors="replace")
-    except OSError as e:
-        raise _CommandFailed(cmd, str(e)) from e
-    if done.returncode != 0:
-        raise _CommandFailed(cmd, done.stderr + done.stdout)
-    return done.stdout
-
-
-@cache
-def probe_target(cc: str, flags: tuple[str, ...]) -> Target:
-    """The target of a build with these flags (once per process: two compiler calls)."""
-    version = (_run([cc, "--version"]).splitlines() or [""])[0].strip()
-    macros = {}
-    for line in _run([cc, *flags, "-E", "-dM", "-x", "c", os.devnull]).splitlines():
-        parts = line.split(maxsplit=2)
-        if len(parts) >= 2 and parts[0] == "#define":
-            macros[parts[1]] = parts[2] if len(parts) == 3 else ""
-    return Target(cc, version, macros)
-
-
-def _compile(cc: str, flags: Sequence[str], lib_path: Path) -> None:
-    """Build the library at lib_path (atomically: concurrent builders never see half a file)."""
-    lib_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-        objs = []
-        for i, (source, source_flags) in enumerate(_SRCS.items()):
-            objs.append(str(Path(tmp) / f"{i}.o"))
-            _run([cc, *flags, *source_flags, "-c", str(source), "-o", objs[-1]])
-        tmp_lib = Path(tmp) / lib_path.name
-        _run([cc, "-shared", "-fopenmp", *objs, "-o", str(tmp_lib), "-lm"])
-        tmp_lib.replace(lib_path)
-
-
-@dataclass(frozen=True)
-class Build:
-    """One attempt at the kernel library: the library, or None and why."""
-
-    library: ctypes.CDLL | None
-    reason: str
-    """'built for <target>' with a library, else why there is none."""
-    path: Path | None = None
-    """The library file, or the log of a failed build."""
-
-    def status(self) -> str:
-        """One line for the start-up description."""
-        state = self.reason if self.library is not None else f"unavailable ({self.reason})"
-        return f"native CPU kernels: {state}"
-
-
-def build_payload(flags: Sequence[str]) -> bytes:
-    """What a build compiles, besides the target: every source with its flags, the headers
-    and the common flags (OSError when a source is missing)."""
-    payload = b"".join(p.read_bytes() + " ".join(f).encode() for p, f in _SRCS.items())
-    return payload + b"".join(h.read_bytes() for h in _HEADERS) + " ".join(flags).encode()
-
-
-def find_compiler() -> str | None:
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def build_library(cache: Path, extra_flags: Sequence[str] = ()) -> Build:
-    """Build (unless cache already holds the build for this compiler, target and sources) and
-    load the kernels, compiled with the default flags plus extra_flags (("-mno-avx512f",):
-    the AVX2 build). A failed build leaves the compiler's stderr in cache/build-<key>.log."""
-    cc = find_compiler()
-    if cc is None:
-        return Build(None, "no C compiler")
-    flags = (*_FLAGS, *extra_flags)
-    try:
-        payload = build_payload(flags)
-    except OSError as e:  # an install without the sources (they ship as package data)
-        return Build(None, f"kernel source missing: {e.filename}")
-    try:
-        target = probe_target(cc, flags)
-    except _CommandFailed as e:  # named by the compiler's path and the sources alone
-        return _failed(cache / f"build-{Target(cc, '', {}).key(payload)}.log", e)
-    key = target.key(payload)
-    lib_path = cache / f"cbgen_cpu_{key}.so"
-    if not lib_path.exists():
-        try:
-            _compile(cc, flags, lib_path)
-        except (_CommandFailed, OSError) as e:
-            return _failed(cache / f"build-{key}.log", e)
-    try:
-        lib = ctypes.CDLL(str(lib_path))
-        _declare(lib)
-    except (OSError, AttributeError) as e:
-        return Build(None, f"cannot load {lib_path}: {e}", lib_path)
-    with contextlib.suppress(OSError):  # the log of an earlier attempt that failed
-        (cache / f"build-{key}.log").unlink(missing_ok=True)
-    return Build(lib, f"built for {target.describe()}", lib_path)
-
-
-def _failed(log: Path, error: Exception) -> Build:
-    """A failed build, what the compiler said kept in log (the error itself in the reason when
-    the log cannot be written)."""
-    text = error.text if isinstance(error, _CommandFailed) else f"{error}\n"
-    try:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        tmp = log.with_name(f"{log.name}.{os.getpid()}")
-        tmp.write_text(text)
-        tmp.replace(log)
-    except OSError:
-        return Build(None, f"build failed: {error}; could not write {log}")
-    return Build(None, f"build failed, see {log}", log)
-
-
-@cache
-def _build(extra_flags: tuple[str, ...]) -> Build:
-    """The build for this process, logged once."""
-    build = build_library(cache_dir(), extra_flags)
-    if build.library is not None:
-        logger.info("%s", build.status())
-    else:
-        logger.warning("%s", build.status())
-    return build
-
-
-@cache
-def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The kernels for this machine (plus extra_flags), built once per compiler, target ISA,
-    sources and flags, loaded once per process; None when that fails (native_status says why)."""
-    return _build(tuple(extra_flags)).library
-
-
-def native_status() -> str:
-    """'native CPU kernels: built for x86-64 znver4 avx512f avx512bf16 avx2 fma (gcc 12.2)', or
-    'native CPU kernels: unavailable (...)' with the reason (a build log's path)."""
-    return _build(()).status()
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    """The C signatures, for ctypes to convert the arguments."""
-    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.cbgen_paged_decode_f32.argtypes = [p, p, p, p, i64, p, i64, i64, i64, i64, i64, f32, p]
-    lib.cbgen_paged_decode_f32.restype = ctypes.c_int
-    lib.cbgen_exp_sub_sum_f32.argtypes = [p, i64, f32]
-    lib.cbgen_exp_sub_sum_f32.restype = f32
-    lib.cbgen_add_rmsnorm_f32.argtypes = [p, p, p, f32, i64, i64, p]
-    lib.cbgen_add_rmsnorm_f32.restype = None
-    lib.cbgen_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p, p]
-    lib.cbgen_rope_f32.restype = None
-    lib.cbgen_write_kv_f32.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64]
-    lib.cbgen_write_kv_f32.restype = ctypes.c_int
-    lib.cbgen_head_bf16.argtypes = [p, i64, i64, p, p, i64, p, p, p, *[f32] * 4, p, p, i64, p]
-    lib.cbgen_head_bf16.restype = i64
-    lib.cbgen_pack_panels_f32.argtypes = [p, i64, i64, p]
-    lib.cbgen_pack_panels_f32.restype = None
-    lib.cbgen_small_gemm_f32.argtypes = [p, i64, i64, p, i64, p, p]
-    lib.cbgen_small_gemm_f32.restype = None
-    lib.cbgen_prefill_attention_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64, i64, f32]
-    lib.cbgen_prefill_attention_f32.restype = ctypes.c_int
-    lib.cbgen_silu_mul_f32.argtypes = [p, i64, i64, p]
-    lib.cbgen_silu_mul_f32.restype = None
-    lib.cbgen_sample_f32.argtypes = [p, i64, i64, i64, p, p, p]
-    lib.cbgen_sample_f32.restype = ctypes.c_int
-
+from cbgen.cpu.build import load_library, native_status
 
 # ---- argument checks: every tensor handed to C as a raw pointer ------------------------
 
@@ -560,7 +292,7 @@ class HugePageArena:
     4 KiB pages the stream meets a new TLB entry every 4 KiB, and the hardware prefetchers
     stop at each page boundary. On SmolLM2 a decode step of 8 sequences measured ~10 %
     faster with the weights in 2 MiB pages, 16 sequences ~4 %, 64 (bound by arithmetic) ~1 %
-    (`python scripts/huge_pages_bench.py`, docs/PERFORMANCE.md). Buffers keep their chunk
+    (docs/PERFORMANCE.md, "Decode-sized matmuls"). Buffers keep their chunk
     alive; nothing is ever returned to a chunk."""
 
     def __init__(self, chunk_bytes: int = 64 << 20) -> None:
@@ -694,7 +426,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     """Temperature sampling by inverse CDF for logits [B, V] float32,
     temperature [B] (> 0) and u [B] in [0, 1): per row, the first token whose running sum of
-    exp(logit / T - max) exceeds u x the total (cbgen/attention/csrc/sample.c). The logits are
+    exp(logit / T - max) exceeds u x the total (cbgen/cpu/csrc/sample.c). The logits are
     not modified. None without the kernels or when a row holds NaN or +inf."""
     _check("logits", logits, torch.float32, ("B", "V"))
     b, v = logits.shape

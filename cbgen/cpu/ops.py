@@ -1,0 +1,36 @@
+"""The decoder's element-wise ops as C kernels (CPU, float32): residual add + RMSNorm in one
+pass, RoPE in place from the float32 tables, and SiLU x up in one pass over the gate-up
+projection. Each rounds as cbgen.models.ops.TorchOps, the reference, does (tests/test_native.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cbgen.cpu import kernels
+
+
+class CpuOps:
+    name = "cpu"
+
+    def add_rmsnorm_(
+        self, residual: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return kernels.add_rmsnorm_(residual, h, weight, eps)
+
+    def rope_tables(
+        self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return positions.contiguous(), cos, sin
+
+    def rope_(self, x: torch.Tensor, num_heads: int, head_dim: int, tables: Any) -> None:
+        positions, cos, sin = tables
+        kernels.rope_(x, num_heads, head_dim, positions, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return kernels.silu_mul(gate_up)
+
+
+CPU_OPS = CpuOps()
