@@ -30,6 +30,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow"
 
 lint: setup
+	$(BIN)/ruff format --check cbgen kernels tests tools
 	$(BIN)/ruff check cbgen kernels tests tools
 	$(BIN)/mypy
 
