@@ -83,13 +83,13 @@ from tools.gpu_sections import CheckContext  # noqa: E402
 
 # (name, section, share of the total budget in seconds)
 SECTIONS: list[tuple[str, Callable[[CheckContext], bool], float]] = [
-    ("kernels", gpu_sections.kernels, 70),
-    ("greedy_fp32", gpu_sections.greedy_fp32, 50),
-    ("bf16_top1", gpu_sections.bf16_top1, 25),
-    ("sampling", gpu_sections.sampling, 35),
-    ("memory", gpu_sections.memory, 35),
-    ("throughput", gpu_sections.throughput, 80),
-    ("roofline_8b", gpu_sections.roofline_8b, 35),
+    ("kernels", gpu_sections.kernels, 90),
+    ("greedy_fp32", gpu_sections.greedy_fp32, 45),
+    ("bf16_top1", gpu_sections.bf16_top1, 20),
+    ("sampling", gpu_sections.sampling, 30),
+    ("memory", gpu_sections.memory, 30),
+    ("throughput", gpu_sections.throughput, 85),
+    ("roofline_8b", gpu_sections.roofline_8b, 30),
 ]
 TARGETS = {
     # name: (where the value is, target, met)
