@@ -9,7 +9,9 @@ import pytest
 
 from cbgen.models.gguf_file import GGUFError, GGUFFile
 
-gguf = pytest.importorskip("gguf", reason="the gguf package (an optional test dependency) is not installed")
+gguf = pytest.importorskip(
+    "gguf", reason="the gguf package (an optional test dependency) is not installed"
+)
 
 
 def _write(path: Path) -> None:

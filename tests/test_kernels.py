@@ -119,8 +119,12 @@ BATCHES = {
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_paged_attention_mixed_batch(block_size: int, group: int, head_dim: int, dtype: torch.dtype) -> None:
-    b = make_batch(*BATCHES["mixed"], block_size=block_size, group=group, head_dim=head_dim, dtype=dtype)
+def test_paged_attention_mixed_batch(
+    block_size: int, group: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    b = make_batch(
+        *BATCHES["mixed"], block_size=block_size, group=group, head_dim=head_dim, dtype=dtype
+    )
     got = cbgen_kernels.paged_attention(
         b.query, b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, b.scale
     )
@@ -152,7 +156,9 @@ def test_query_tiles_span_sequences_of_every_length() -> None:
     """Many sequences whose query lengths straddle the 64-row tile (GQA 1: 64 tokens a tile),
     so tile numbering (qsl[i] // BLOCK_Q + i) and the binary search meet every case."""
     query_lens = [1, 63, 64, 65, 2, 1, 130]
-    b = make_batch(query_lens, [3, 0, 1, 16, 0, 70, 5], num_kv_heads=1, group=1, head_dim=64, seed=3)
+    b = make_batch(
+        query_lens, [3, 0, 1, 16, 0, 70, 5], num_kv_heads=1, group=1, head_dim=64, seed=3
+    )
     got = cbgen_kernels.paged_attention(
         b.query, b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, b.scale
     )
@@ -171,7 +177,13 @@ def test_split_kv_decodes(num_splits: int, group: int, head_dim: int, dtype: tor
         [1, 1, 1], [199, 0, 70], num_kv_heads=1, group=group, head_dim=head_dim, dtype=dtype, seed=4
     )
     got = cbgen_kernels.paged_attention_split_kv(
-        b.query, b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, b.scale, num_splits=num_splits
+        b.query,
+        b.kv_cache,
+        b.block_table,
+        b.query_start_loc,
+        b.seq_lens,
+        b.scale,
+        num_splits=num_splits,
     )
     assert_close(got, reference(b), dtype)
 
@@ -218,7 +230,11 @@ def test_write_kv_cache_matches_reference(
     assert not key.is_contiguous()
     last = num_blocks * block_size - 1
     slots = torch.tensor([0, -1, block_size - 1, block_size, last, -5, 2 * block_size + 3, 5, -1])
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    cache = (
+        torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+        .to(dtype)
+        .to(DEVICE)
+    )
     want = cache.clone()
     ref.write_kv_cache(key, value, want, slots.to(DEVICE))
     cbgen_kernels.write_kv_cache(key, value, cache, slots.to(DEVICE))
@@ -230,7 +246,9 @@ def test_write_kv_cache_all_negative_and_empty() -> None:
     before = cache.clone()
     k = torch.randn(3, 2, 64, device=DEVICE)
     cbgen_kernels.write_kv_cache(k, k, cache, torch.full((3,), -1, device=DEVICE))
-    cbgen_kernels.write_kv_cache(k[:0], k[:0], cache, torch.empty(0, dtype=torch.long, device=DEVICE))
+    cbgen_kernels.write_kv_cache(
+        k[:0], k[:0], cache, torch.empty(0, dtype=torch.long, device=DEVICE)
+    )
     assert torch.equal(cache, before)
 
 
@@ -252,7 +270,9 @@ def test_write_then_attend_equals_reference_end_to_end() -> None:
     slot_mapping = torch.tensor(slots, device=DEVICE)
     cache_ref = b.kv_cache.clone()
     ref.write_kv_cache(key, value, cache_ref, slot_mapping)
-    want = ref.paged_attention(b.query, cache_ref, b.block_table, b.query_start_loc, b.seq_lens, b.scale)
+    want = ref.paged_attention(
+        b.query, cache_ref, b.block_table, b.query_start_loc, b.seq_lens, b.scale
+    )
     cbgen_kernels.write_kv_cache(key, value, b.kv_cache, slot_mapping)
     got = cbgen_kernels.paged_attention(
         b.query, b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, b.scale
@@ -291,11 +311,17 @@ class _Recorder:
     def unspecialised(self) -> set[str]:
         """The arguments the kernel exempts from Triton's value specialisation."""
         k = self.kernel
-        names = k.kwargs.get("do_not_specialize") if cbgen_kernels.interpreted() else k.do_not_specialize
+        names = (
+            k.kwargs.get("do_not_specialize")
+            if cbgen_kernels.interpreted()
+            else k.do_not_specialize
+        )
         return {k.arg_names[n] if isinstance(n, int) else n for n in names or ()}
 
 
-def test_arguments_that_change_from_step_to_step_are_not_specialised(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_arguments_that_change_from_step_to_step_are_not_specialised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Triton compiles a kernel anew for each specialisation of an integer argument (equal to
     1, divisible by 16); the interpreter cannot count compiles, so record what the launchers
     pass over the steps of one model shape (sequence counts, token counts and longest contexts,
@@ -304,18 +330,30 @@ def test_arguments_that_change_from_step_to_step_are_not_specialised(monkeypatch
     from cbgen_kernels import attention, cache
 
     recorders = {}
-    for module, name in ((attention, "_paged_attention_kernel"), (attention, "_merge_splits_kernel"),
-                         (cache, "_write_kv_kernel")):
+    for module, name in (
+        (attention, "_paged_attention_kernel"),
+        (attention, "_merge_splits_kernel"),
+        (cache, "_write_kv_kernel"),
+    ):
         recorders[name] = _Recorder(getattr(module, name))
         monkeypatch.setattr(module, name, recorders[name])
-    steps = [([1], [5]), ([1, 1, 1], [40, 3, 70]), ([1] * 5, [15, 16, 17, 200, 1]), ([4, 1], [0, 33]),
-             ([9, 1, 1], [100, 0, 47])]
+    steps = [
+        ([1], [5]),
+        ([1, 1, 1], [40, 3, 70]),
+        ([1] * 5, [15, 16, 17, 200, 1]),
+        ([4, 1], [0, 33]),
+        ([9, 1, 1], [100, 0, 47]),
+    ]
     for i, (query_lens, context_lens) in enumerate(steps):
         b = make_batch(query_lens, context_lens, seed=20 + i)
         args = (b.query, b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, b.scale)
         assert_close(cbgen_kernels.paged_attention(*args), reference(b), torch.float32)
         if max(query_lens) == 1:
-            assert_close(cbgen_kernels.paged_attention_split_kv(*args, num_splits=3), reference(b), torch.float32)
+            assert_close(
+                cbgen_kernels.paged_attention_split_kv(*args, num_splits=3),
+                reference(b),
+                torch.float32,
+            )
         kv = b.query[:, :2]  # [T, 2 KV heads, 64], strided like the model's views
         slots = torch.arange(kv.shape[0], device=DEVICE) * 3
         want = b.kv_cache.clone()
@@ -323,7 +361,12 @@ def test_arguments_that_change_from_step_to_step_are_not_specialised(monkeypatch
         cbgen_kernels.write_kv_cache(kv, kv, b.kv_cache, slots)
         assert torch.equal(b.kv_cache, want)
     attention_varying = recorders["_paged_attention_kernel"].varying_int_args()
-    assert {"num_seqs", "stride_block_table", "stride_out_split", "stride_lse_split"} <= attention_varying
+    assert {
+        "num_seqs",
+        "stride_block_table",
+        "stride_out_split",
+        "stride_lse_split",
+    } <= attention_varying
     for name, rec in recorders.items():
         assert rec.calls, name
         assert rec.varying_int_args() <= rec.unspecialised(), name
@@ -376,7 +419,9 @@ def test_kernels_compile_for_hopper() -> None:
         "from cbgen_kernels.compile_check import compile_all\n"
         "for v in compile_all(90, ('bf16',)): print(v.name, v.shared_bytes)\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     names = [line.split()[0] for line in res.stdout.splitlines()]
     assert names == [
@@ -394,9 +439,13 @@ def test_kernels_compile_for_hopper() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_long_prefill_and_split_decode() -> None:
-    b = make_batch([1000, 1, 1, 300], [0, 4000, 17, 2000], group=4, head_dim=128, dtype=torch.bfloat16, seed=10)
+    b = make_batch(
+        [1000, 1, 1, 300], [0, 4000, 17, 2000], group=4, head_dim=128, dtype=torch.bfloat16, seed=10
+    )
     args = (b.query, b.kv_cache, b.block_table, b.query_start_loc, b.seq_lens, b.scale)
     assert_close(cbgen_kernels.paged_attention(*args), reference(b), torch.bfloat16)
     d = make_batch([1, 1], [8000, 3000], group=8, head_dim=128, dtype=torch.bfloat16, seed=11)
     dargs = (d.query, d.kv_cache, d.block_table, d.query_start_loc, d.seq_lens, d.scale)
-    assert_close(cbgen_kernels.paged_attention_split_kv(*dargs, num_splits=16), reference(d), torch.bfloat16)
+    assert_close(
+        cbgen_kernels.paged_attention_split_kv(*dargs, num_splits=16), reference(d), torch.bfloat16
+    )

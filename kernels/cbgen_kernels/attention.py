@@ -175,7 +175,9 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
+        )
         m_i = m_new
 
     has_keys = l_i > 0.0
@@ -310,7 +312,9 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[-1] != head_dim:
-        raise ValueError(f"kv_cache of shape {tuple(kv_cache.shape)} does not fit query {tuple(query.shape)}")
+        raise ValueError(
+            f"kv_cache of shape {tuple(kv_cache.shape)} does not fit query {tuple(query.shape)}"
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     return num_tokens, num_heads, num_kv_heads, head_dim
@@ -376,7 +380,11 @@ def _launch(
 
 
 def _max_query_len(query_start_loc: torch.Tensor) -> int:
-    return int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if query_start_loc.numel() > 1 else 0
+    return (
+        int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+        if query_start_loc.numel() > 1
+        else 0
+    )
 
 
 def paged_attention(
@@ -417,7 +425,9 @@ class SplitWorkspace:
         cls, num_splits: int, num_tokens: int, num_heads: int, head_dim: int, device: torch.device
     ) -> SplitWorkspace:
         return cls(
-            torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=device),
+            torch.empty(
+                num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=device
+            ),
             torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=device),
         )
 
@@ -455,9 +465,19 @@ def paged_attention_split_kv(
         _launch(query, kv_cache, block_table, query_start_loc, seq_lens, scale, cfg, out, None)
         return out
     if workspace is None or not workspace.fits(num_splits, num_tokens, num_heads, head_dim):
-        workspace = SplitWorkspace.allocate(num_splits, num_tokens, num_heads, head_dim, query.device)
+        workspace = SplitWorkspace.allocate(
+            num_splits, num_tokens, num_heads, head_dim, query.device
+        )
     _launch(
-        query, kv_cache, block_table, query_start_loc, seq_lens, scale, cfg, workspace.partial, workspace.lse
+        query,
+        kv_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        scale,
+        cfg,
+        workspace.partial,
+        workspace.lse,
     )
     part, lse = workspace.partial, workspace.lse
     _merge_splits_kernel[(num_tokens, num_heads)](

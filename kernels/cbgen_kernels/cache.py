@@ -47,10 +47,13 @@ def _write_kv_kernel(
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     dst = block * stride_cache_block + offset * stride_cache_slot
     dst_offs = dst + heads[:, None] * stride_cache_head + dims[None, :]
-    k = tl.load(key_ptr + tok * stride_key_tok + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
+    k = tl.load(
+        key_ptr + tok * stride_key_tok + heads[:, None] * stride_key_head + dims[None, :], mask=mask
+    )
     tl.store(key_cache_ptr + dst_offs, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(
-        value_ptr + tok * stride_value_tok + heads[:, None] * stride_value_head + dims[None, :], mask=mask
+        value_ptr + tok * stride_value_tok + heads[:, None] * stride_value_head + dims[None, :],
+        mask=mask,
     )
     tl.store(value_cache_ptr + dst_offs, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 

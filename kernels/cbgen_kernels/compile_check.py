@@ -48,7 +48,9 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
     from cbgen_kernels.cache import _write_kv_kernel
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
-    write_ptrs = {n: f"*{dtype}" for n in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
+    write_ptrs = {
+        n: f"*{dtype}" for n in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")
+    }
     write_ptrs["slot_mapping_ptr"] = "*i64"
     out.append(
         (
@@ -72,8 +74,15 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
             "seq_lens_ptr": "*i32",
         }
         consts = dict(
-            GROUP=4, HEAD_DIM=128, DIM_PAD=128, PAGE_SIZE=16, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, NUM_SPLITS=splits, UPCAST=False,
+            GROUP=4,
+            HEAD_DIM=128,
+            DIM_PAD=128,
+            PAGE_SIZE=16,
+            BLOCK_Q=cfg.block_q,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            NUM_SPLITS=splits,
+            UPCAST=False,
             DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
         )
         out.append((f"paged_attention[{label},{dtype}]", _paged_attention_kernel, ptrs, consts))
@@ -88,7 +97,9 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
     return out
 
 
-def compile_all(arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> list[CompiledVariant]:
+def compile_all(
+    arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp32")
+) -> list[CompiledVariant]:
     """Compile every variant for sm_<arch>; raises on a compile error or a tile that exceeds
     the chip's shared memory."""
     import triton
@@ -98,7 +109,9 @@ def compile_all(arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> l
     from cbgen_kernels import interpreted
 
     if interpreted():
-        raise RuntimeError("compile_check needs TRITON_INTERPRET unset (kernels are interpreted here)")
+        raise RuntimeError(
+            "compile_check needs TRITON_INTERPRET unset (kernels are interpreted here)"
+        )
     target = GPUTarget("cuda", arch, 32)
     results = []
     for dtype in dtypes:
@@ -108,9 +121,13 @@ def compile_all(arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp32")) -> l
             shared = int(compiled.metadata.shared)
             limit = MAX_SHARED.get(arch, 99 * 1024)
             if shared > limit:
-                raise RuntimeError(f"{name}: needs {shared} bytes of shared memory, sm_{arch} has {limit}")
+                raise RuntimeError(
+                    f"{name}: needs {shared} bytes of shared memory, sm_{arch} has {limit}"
+                )
             results.append(
-                CompiledVariant(name, arch, shared, int(compiled.metadata.num_warps), len(compiled.asm["cubin"]))
+                CompiledVariant(
+                    name, arch, shared, int(compiled.metadata.num_warps), len(compiled.asm["cubin"])
+                )
             )
     return results
 
@@ -119,7 +136,9 @@ def main(argv: list[str]) -> int:
     archs = [int(a) for a in argv] or [90]
     for arch in archs:
         for v in compile_all(arch):
-            print(f"sm_{v.arch} {v.name}: shared {v.shared_bytes} B, {v.num_warps} warps, cubin {v.cubin_bytes} B")
+            print(
+                f"sm_{v.arch} {v.name}: shared {v.shared_bytes} B, {v.num_warps} warps, cubin {v.cubin_bytes} B"
+            )
     return 0
 
 
