@@ -269,6 +269,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cbgen_pack_panels_f32.restype = None
     lib.cbgen_small_gemm_f32.argtypes = [p, i64, i64, p, i64, p, p]
     lib.cbgen_small_gemm_f32.restype = None
+    lib.cbgen_small_gemm_max_rows.argtypes = []
+    lib.cbgen_small_gemm_max_rows.restype = i64
     lib.cbgen_prefill_attention_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64, i64, f32]
     lib.cbgen_prefill_attention_f32.restype = ctypes.c_int
     lib.cbgen_silu_mul_f32.argtypes = [p, i64, i64, p]

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 from collections.abc import Sequence
 
@@ -271,11 +272,17 @@ def head_bf16(
 PANEL = 32
 """Output columns per packed panel of small_gemm (N must be a multiple)."""
 
-SMALL_GEMM_MAX_ROWS = 512
-"""Up to this many rows small_gemm beats oneDNN's packed matmul here (measured over a whole
-model's layers from cold caches: 1.6x at 1 row, 1.4x at 8, 1.1-1.2x at 29-512 with 16-row
-tiles, even at 640, 2 % slower at 1024): decode batches and the mixed steps of chunked
-prefill; long prompt chunks go to oneDNN."""
+
+@functools.cache
+def small_gemm_max_rows() -> int:
+    """Up to this many rows small_gemm beats oneDNN's packed matmul with the tiles of this
+    machine's build (0 without the kernels); the build answers, since the tiles are chosen per
+    ISA when it is compiled. With AVX-512 (16-row tiles, measured over a whole model's layers
+    from cold caches: 1.6x at 1 row, 1.4x at 8, 1.1-1.2x at 29-512, even at 640, 2 % slower at
+    1024) and with AVX2 (6-row tiles): docs/PERFORMANCE.md. Decode batches and the mixed steps
+    of chunked prefill take small_gemm; long prompt chunks go to oneDNN."""
+    lib = load_library()
+    return 0 if lib is None else int(lib.cbgen_small_gemm_max_rows())
 
 
 HUGE_PAGE = 2 << 20
@@ -348,7 +355,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
 
 def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias [N]) for W [N, K] packed by pack_panels into panels
-    [N / 32, K, 32] (all float32, M small: see SMALL_GEMM_MAX_ROWS)."""
+    [N / 32, K, 32] (all float32, M small: see small_gemm_max_rows)."""
     _check("panels", panels, torch.float32, ("P", "K", PANEL))
     _check_contiguous("panels", panels)
     p, k, _ = panels.shape

@@ -2,7 +2,7 @@
 kernel that serves a batch of its size, and an LM head from a bfloat16 copy that returns the
 float32 head's tokens where the CPU has bf16 dot products.
 
-    rows <= SMALL_GEMM_MAX_ROWS   cbgen.cpu.kernels.small_gemm over 32-column panels
+    rows <= small_gemm_max_rows() cbgen.cpu.kernels.small_gemm over 32-column panels
     more rows                     oneDNN's packed matmul (torch.ops.mkldnn)
     neither packed                torch's F.linear
 """
@@ -105,7 +105,7 @@ def linear(
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) through the fastest copy of the weight there is for x's rows
     (the packed copies exist on the CPU in float32 only)."""
-    if panels is not None and x.dim() == 2 and x.shape[0] <= kernels.SMALL_GEMM_MAX_ROWS:
+    if panels is not None and x.dim() == 2 and x.shape[0] <= kernels.small_gemm_max_rows():
         return kernels.small_gemm(x, panels, bias)
     if packed is not None:
         return packed_linear(x, packed, bias)

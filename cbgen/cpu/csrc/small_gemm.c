@@ -17,16 +17,36 @@
  * tile has too few independent accumulators to hide the FMA latency and costs nearly a full one.
  * Threads split the panels.
  *
+ * Without AVX-512 (AVX2 + FMA: 16 registers of 8 floats) that tile would need 64 accumulators, and
+ * GCC spills nearly every FMA to the stack (1.6 GFLOP/s on a Zen 3, 30-40x slower than oneDNN). There
+ * a register tile is up to 6 rows x 16 columns, half a panel: twelve accumulators, two panel
+ * vectors and a broadcast fill 15 of the 16 registers (the shape of the AVX2 kernels of BLIS and
+ * oneDNN). A row tile runs over both halves of a panel while its rows are in L1. Measured on a
+ * Zen 3 in docs/PERFORMANCE.md, "AVX2 (Zen 3)". The vector width and the tile are chosen by the
+ * ISA macros at compile time; the panels are the same on every ISA, and the AVX-512 kernels compile
+ * to the same machine code as before the AVX2 tile existed.
+ *
  * Each output is one sum over k in order, whatever M is: a row's result does not depend on the
- * other rows in the batch.
+ * other rows in the batch, nor on the ISA (the panels and the order of the FMAs are the same).
  */
 #include <stdint.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-
-#define NR 32
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define VW 8 /* floats a vector register holds */
+#define MR_MAX 6
+#define MAX_ROWS 512
+#define PREFETCH_REST(p) /* a tile's 16 columns are one cache line */
+#else
+#define VW 16
 #define MR_MAX 16
+#define MAX_ROWS 512
+#define PREFETCH_REST(p) __builtin_prefetch((p) + 16, 0, 2) /* the tile's second cache line */
+#endif
+typedef float vec __attribute__((vector_size(VW * 4)));
+typedef float vecu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+
+#define NR 32      /* columns of a packed panel, the same on every ISA */
+#define TN (2 * VW) /* columns of a register tile: NR / TN tiles side by side cover a panel */
 
 void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp) {
 #pragma omp parallel for schedule(static)
@@ -38,17 +58,17 @@ void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp) {
 #define KERNEL(MR)                                                                           \
     static void kern_##MR(const float *x, int64_t K, const float *panel, const float *bias,  \
                           float *y, int64_t ldy, const float *pf) {                           \
-        v16 a0[MR], a1[MR];                                                                   \
+        vec a0[MR], a1[MR];                                                                   \
         for (int r = 0; r < MR; ++r) {                                                        \
-            a0[r] = (v16){0};                                                                 \
-            a1[r] = (v16){0};                                                                 \
+            a0[r] = (vec){0};                                                                 \
+            a1[r] = (vec){0};                                                                 \
         }                                                                                     \
         for (int64_t k = 0; k < K; ++k) {                                                     \
-            const v16 b0 = *(const v16u *)(panel + k * NR);                                   \
-            const v16 b1 = *(const v16u *)(panel + k * NR + 16);                              \
+            const vec b0 = *(const vecu *)(panel + k * NR);                                   \
+            const vec b1 = *(const vecu *)(panel + k * NR + VW);                              \
             if (pf) {                                                                         \
                 __builtin_prefetch(pf + k * NR, 0, 2);                                        \
-                __builtin_prefetch(pf + k * NR + 16, 0, 2);                                   \
+                PREFETCH_REST(pf + k * NR);                                                   \
             }                                                                                 \
             _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r) {                           \
                 const float xv = x[r * K + k];                                                \
@@ -57,18 +77,19 @@ void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp) {
             }                                                                                 \
         }                                                                                     \
         if (bias) {                                                                           \
-            const v16 c0 = *(const v16u *)bias, c1 = *(const v16u *)(bias + 16);              \
+            const vec c0 = *(const vecu *)bias, c1 = *(const vecu *)(bias + VW);              \
             for (int r = 0; r < MR; ++r) {                                                    \
                 a0[r] += c0;                                                                  \
                 a1[r] += c1;                                                                  \
             }                                                                                 \
         }                                                                                     \
         for (int r = 0; r < MR; ++r) {                                                        \
-            *(v16u *)(y + r * ldy) = a0[r];                                                   \
-            *(v16u *)(y + r * ldy + 16) = a1[r];                                              \
+            *(vecu *)(y + r * ldy) = a0[r];                                                   \
+            *(vecu *)(y + r * ldy + VW) = a1[r];                                              \
         }                                                                                     \
     }
 
+#if MR_MAX == 16
 KERNEL(16)
 KERNEL(15)
 KERNEL(14)
@@ -79,6 +100,7 @@ KERNEL(10)
 KERNEL(9)
 KERNEL(8)
 KERNEL(7)
+#endif
 KERNEL(6)
 KERNEL(5)
 KERNEL(4)
@@ -87,9 +109,12 @@ KERNEL(2)
 KERNEL(1)
 
 typedef void (*kern_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, const float *);
-static const kern_fn KERNS[MR_MAX + 1] = {0,       kern_1,  kern_2,  kern_3,  kern_4,  kern_5,
-                                          kern_6,  kern_7,  kern_8,  kern_9,  kern_10, kern_11,
-                                          kern_12, kern_13, kern_14, kern_15, kern_16};
+static const kern_fn KERNS[MR_MAX + 1] = {0, kern_1, kern_2, kern_3, kern_4, kern_5, kern_6,
+#if MR_MAX == 16
+                                          kern_7,  kern_8,  kern_9,  kern_10, kern_11,
+                                          kern_12, kern_13, kern_14, kern_15, kern_16
+#endif
+};
 
 /* x [M, K] and y [M, N] contiguous, N a multiple of 32, bias [N] or NULL. */
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
@@ -105,8 +130,18 @@ void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp,
         int64_t m = 0;
         for (int64_t t = 0; t < tiles; ++t) {
             const int64_t rows = (M - m) / (tiles - t);
+#if TN == NR
             KERNS[rows](x + m * K, K, panel, b, y + m * N + p * NR, N, t == 0 ? next : 0);
+#else /* the tile's rows over each part of the panel in turn, while they are in L1 */
+            for (int64_t c = 0; c < NR; c += TN)
+                KERNS[rows](x + m * K, K, panel + c, b ? b + c : 0, y + m * N + p * NR + c, N,
+                            t == 0 && next ? next + c : 0);
+#endif
             m += rows;
         }
     }
 }
+
+/* Up to how many rows small_gemm is faster than oneDNN's packed matmul with this build's tiles
+ * (measured: docs/PERFORMANCE.md); more rows go to oneDNN. */
+int64_t cbgen_small_gemm_max_rows(void) { return MAX_ROWS; }
