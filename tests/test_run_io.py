@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cbgen.config import SamplingParams
+from cbgen.config import SamplingParams, parse_size
 from cbgen.display import LogDisplay, ProgressSnapshot, format_status
 from cbgen.io.rows import (
     ColumnSpec,
@@ -37,7 +37,6 @@ from cbgen.io.writer import (
     read_stream,
     row_key,
 )
-from cbgen.run_command import parse_size
 
 SPEC = ColumnSpec()
 
