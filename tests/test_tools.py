@@ -141,3 +141,40 @@ def test_compare_peers_runs_vllm(
     assert vllm["ok"], (vllm.get("error"), (tmp_path / "vllm.log").read_text()[-3000:])
     assert vllm["output_tokens"] == summary["workload"]["output_tokens"]
     assert "vLLM CPU build 3/3" in capsys.readouterr().out
+
+
+def test_share_of_peak_is_the_workloads_matmul_work_at_the_peak() -> None:
+    w = {"requests": 2, "prompt_tokens": 1000, "output_tokens": 200, "longest_prompt": 600}
+    # cbgen computed fewer tokens than the workload has (prefix cache hits): the work it
+    # needs is counted from the workload, the parameter counts from cbgen's run
+    extra = flop_summary(
+        [step(700, 0, 2, 1.0)], non_embedding_params=10, lm_head_params=5, max_num_seqs=2
+    )
+    gflop = compare_peers.workload_gflop(w, extra)
+    assert gflop == pytest.approx((1200 * 2 * 10 + 200 * 2 * 5) / 1e9)
+    ceiling = compare_peers.ceiling_tokens_per_s(w, gflop, peak_gflops=1e-3)
+    assert ceiling == pytest.approx(1200 * 1e-3 / gflop)
+    assert compare_peers.workload_gflop(w, {}) is None  # no cbgen run, no parameter counts
+    res = {
+        "ok": True, "prompt_tokens": 1000, "output_tokens": 200, "elapsed_s": 1200 / (ceiling / 4),
+        "startup_s": 1.0, "peak_rss_gib": 1.0, "other_cores": 0.0,
+    }  # fmt: skip
+    table = compare_peers.fmt_table(
+        [compare_peers.Run("cbgen", res, 0.0)], {"cbgen": "cbgen"}, ceiling
+    )
+    assert "| share of fp32 peak |" in table and "| 1.00x | 25% |" in table
+
+
+def test_the_prompt_heavy_workload_keeps_only_long_prompts(
+    peer_model_dir: Path, tmp_path: Path
+) -> None:
+    import argparse
+
+    args = argparse.Namespace(
+        num_requests=2, seed=0, min_prompt_len=300, max_prompt_len=400, max_output_len=3
+    )
+    w = compare_peers.build_workload(peer_model_dir, args, tmp_path / "workload.json")
+    assert w["requests"] == 2 and w["output_tokens"] <= 6
+    for r in json.loads((tmp_path / "workload.json").read_text())["requests"]:
+        # 300-400 raw tokens, plus the chat template's system prompt and turn markers
+        assert 300 < len(r["prompt_token_ids"]) <= 400 + 60

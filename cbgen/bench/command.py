@@ -18,6 +18,7 @@ import typer
 
 from cbgen.cli_options import NO_ENGINE_OPTIONS, EngineOptions, engine_options
 from cbgen.config import EngineConfig, parse_size
+from cbgen.cpu.features import cpu_info
 from cbgen.models.errors import ModelFileError
 
 if TYPE_CHECKING:
@@ -310,6 +311,7 @@ def _engine_info(holder: Engine, description: str, config: EngineConfig) -> dict
         "load_time_s": holder.load_time_s,
         "device": str(holder.device),
         "dtype": str(holder.dtype).removeprefix("torch."),
+        "cpu": cpu_info().describe(),
         "config": {k: v for k, v in config.to_dict().items() if k != "scheduling_policy"},
     }
 

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cbgen.cpu.features import cpu_info
 from cbgen.display import format_duration
 
 SUMMARY_LATENCIES = ("queue_s", "ttft_s", "tpot_s", "itl_p50_s", "itl_p99_s", "e2e_s")
@@ -118,6 +119,8 @@ def build_summary(
         **stats,
         "this_run": run,
         "wall_s": wall,
+        # the host's model and the flags its fast paths were chosen by: figures name their CPU
+        "cpu": cpu_info().describe(),
         **settings,
     }
 
