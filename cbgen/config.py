@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+MAX_LOGPROBS = 20
+"""The most top entries per token that logprobs / prompt_logprobs may ask for (vLLM's and
+OpenAI's limit)."""
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -160,6 +163,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    """Log-probability of each generated token and of this many top alternatives (0: the
+    token's own only); None: none. The model's log-softmax in float32, before temperature,
+    penalties and top-k / top-p / min-p."""
+    prompt_logprobs: int | None = None
+    """The same for each prompt token after the first (which has none); None: none. Such a
+    request takes no prefix-cache hits: every prompt position is computed."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -232,6 +242,15 @@ class SamplingParams:
             "frequency_penalty",
             f"must be in [-2, 2], got {self.frequency_penalty}",
         )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None:
+                _int(k, name)
+                _check(
+                    0 <= k <= MAX_LOGPROBS,
+                    name,
+                    f"must be in [0, {MAX_LOGPROBS}] (top entries per token), got {k}",
+                )
 
     @property
     def greedy(self) -> bool:

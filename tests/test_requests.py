@@ -93,6 +93,8 @@ BAD_SAMPLING_PARAMS: list[tuple[str, Any]] = [
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
     ("presence_penalty", 2.5), ("presence_penalty", -3.0),
     ("frequency_penalty", -2.5), ("frequency_penalty", math.nan),
+    ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 1.0),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", "2"),
 ]  # fmt: skip
 
 

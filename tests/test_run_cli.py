@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cbgen.io.schema import LATENCY_COLUMNS
+from cbgen.io.schema import LATENCY_COLUMNS, LOGPROB_COLUMNS
 from cbgen.io.writer import read_stream
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +59,7 @@ BASE_COLUMNS = [
     "error",
     *LATENCY_COLUMNS,
     "num_preemptions",
+    *LOGPROB_COLUMNS,
 ]
 
 

@@ -248,8 +248,8 @@ def test_openai_bodies_with_fields_cbgen_lacks_are_error_rows() -> None:
     assert _parse(ok) is None
     assert _parse(batch(max_completion_tokens=4, temperature=0, seed=1, logprobs=False)) is None
     assert _parse(batch(response_format={"type": "text"}, tools=[], logit_bias=None)) is None
-    assert _parse(batch(logprobs=True)) == (
-        "line 1: body.logprobs: cbgen does not implement this request field yet"
+    assert _parse(batch(echo=True)) == (
+        "line 1: body.echo: cbgen does not implement this request field yet"
     )
     assert _parse(batch(tools=[{"type": "function"}])) == (
         "line 1: body.tools: cbgen does not implement this request field yet"

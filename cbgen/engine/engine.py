@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -20,10 +21,11 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.cpu.build import native_status
 from cbgen.cpu.features import cpu_info
 from cbgen.engine.kv_cache import KVCacheManager
+from cbgen.engine.logprobs import TokenLogprob, with_text
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
 from cbgen.engine.profile import profile_peak_memory
 from cbgen.engine.request import Request, RequestStatus
-from cbgen.engine.runner import ModelRunner, NewRequestInfo
+from cbgen.engine.runner import ModelRunner, NewRequestInfo, RunnerOutput
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
 from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
 from cbgen.metrics import RequestMetrics
@@ -78,11 +80,16 @@ class Engine:
         self.model_config = load_model_config(self.source)
         mc = self.model_config
         limit = mc.max_position_embeddings
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            # No attention path applies a window yet; within it, windowed attention is full
+            # attention, so sequences are kept within it rather than computed wrongly past it.
+            limit = mc.sliding_window
+            why = f"the model's sliding window ({limit} tokens), which cbgen does not apply yet"
+        else:
+            why = f"the model's limit of {limit}"
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len: {self.max_model_len} exceeds the model's limit of {limit}"
-            )
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds {why}")
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a prompt must fit in one step's budget.
             self.max_prompt_len = config.max_num_batched_tokens
@@ -148,6 +155,7 @@ class Engine:
             eos = mc.eos_token_ids[0]
         self.eos_token_id: int | None = eos
         self._request_counter = 0
+        self._token_texts: dict[int, str | None] = {}
         self.total_preemptions = 0
         self.init_time_s = time.perf_counter() - t0
 
@@ -335,8 +343,10 @@ class Engine:
     def step(self) -> StepOutput:
         t0 = time.perf_counter()
         out = self.scheduler.schedule(t0)
-        sampled = self.runner.execute(out)
+        result = self.runner.execute(out)
+        sampled = result.sampled
         now = time.perf_counter()
+        self._record_logprobs(result)
         finished = self.scheduler.update_from_output(out, sampled, now)
         finished += self._check_stop_strings(sampled, finished, now)
         self.total_preemptions += len(out.preempted_ids)
@@ -344,6 +354,15 @@ class Engine:
             finished=[self._output(r) for r in finished],
             stats=self._stats(out, t0, now),
         )
+
+    def _record_logprobs(self, result: RunnerOutput) -> None:
+        """Hand the step's logprobs to their requests (all still running: before
+        update_from_output, which may finish them)."""
+        requests = self.scheduler.requests
+        for rid, scored in result.prompt_logprobs.items():
+            requests[rid].prompt_logprobs += scored
+        for rid, lp in result.logprobs.items():
+            requests[rid].logprobs.append(lp)
 
     def _check_stop_strings(
         self, sampled: dict[str, int], finished: list[Request], now: float
@@ -387,6 +406,25 @@ class Engine:
             return ""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def _token_text(self, token_id: int) -> str | None:
+        """One token's text alone, special tokens included (vLLM's logprob token); memoised."""
+        text = self._token_texts.get(token_id)
+        if text is None and self.tokenizer is not None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _logprobs_of(self, req: Request) -> dict[str, Any]:
+        """RequestOutput's logprob fields: None where the request did not ask."""
+        params = req.sampling_params
+        fields: dict[str, Any] = {}
+        if params.logprobs is not None:
+            fields["logprobs"] = with_text(req.logprobs, self._token_text)
+            fields["cumulative_logprob"] = math.fsum(p.logprob for p in req.logprobs)
+        if params.prompt_logprobs is not None:
+            scored: list[TokenLogprob | None] = [None]
+            fields["prompt_logprobs"] = scored + with_text(req.prompt_logprobs, self._token_text)
+        return fields
+
     def _output(self, req: Request) -> RequestOutput:
         tokens = req.output_token_ids
         if req.status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str):
@@ -407,6 +445,7 @@ class Engine:
             metrics=RequestMetrics.from_times(
                 req.arrival_time, req.first_scheduled_time, req.token_times, req.finished_time
             ),
+            **self._logprobs_of(req),
         )
 
     def _stats(self, out: SchedulerOutput, t0: float, now: float) -> StepStats:

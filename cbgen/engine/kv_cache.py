@@ -184,7 +184,11 @@ class BlockPool:
         best: tuple[KVCacheBlock, int] | None = None
         for block_id in reversed(self.children.get(parent_hash, ())):
             block = self.blocks[block_id]
-            if block.parent_block_id != parent_block_id or block.cached_step >= self.step or block.token_ids is None:
+            if (
+                block.parent_block_id != parent_block_id
+                or block.cached_step >= self.step
+                or block.token_ids is None
+            ):
                 continue
             n = 0
             for a, b in zip(block.token_ids, token_ids, strict=False):  # token_ids may be shorter
@@ -244,12 +248,18 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
+    def _may_hit(self, request: Request) -> bool:
+        """Whether the request may take cached K/V: not one with prompt_logprobs, which needs
+        the logits of every prompt position (vLLM's rule too). Its blocks are still cached
+        for others."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The cached full blocks of the request's prefix and how many tokens they hold.
 
         Capped so that at least the last token is computed: sampling needs its logits.
         """
-        if not self.enable_caching:
+        if not self._may_hit(request):
             return [], 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
@@ -269,7 +279,7 @@ class KVCacheManager:
     ) -> tuple[KVCacheBlock, int] | None:
         """A partial hit past the request's full hits (computed_blocks): a block to copy the
         first K/V entries of, and how many (at least the last token is left to compute)."""
-        if not self.enable_caching:
+        if not self._may_hit(request):
             return None
         bs = self.block_size
         i = len(computed_blocks)
@@ -277,7 +287,9 @@ class KVCacheManager:
         if start >= request.num_tokens - 1:
             return None
         # the last hit's own hash and id are the next block's parent (None: no hit yet)
-        parent, parent_id = (computed_blocks[-1].block_hash, computed_blocks[-1].block_id) if i else (None, None)
+        parent, parent_id = (
+            (computed_blocks[-1].block_hash, computed_blocks[-1].block_id) if i else (None, None)
+        )
         tokens = request.all_token_ids[start : min(start + bs, request.num_tokens - 1)]
         return self.pool.lookup_partial(parent, parent_id, tokens)
 
@@ -299,8 +311,12 @@ class KVCacheManager:
         when there is no room.
         """
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_partial
-        need = self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(computed_blocks)
+        num_computed = (
+            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_partial
+        )
+        need = (
+            self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(computed_blocks)
+        )
         # Hits sitting idle in the free queue are no longer free once taken.
         idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - idle_hits:
@@ -336,7 +352,9 @@ class KVCacheManager:
         for i in range(start, num_full):
             parent = hashes[i - 1] if i else None
             parent_id = blocks[i - 1].block_id if i else None
-            self.pool.cache_block(blocks[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs], parent_id)
+            self.pool.cache_block(
+                blocks[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs], parent_id
+            )
         self.req_num_registered[rid] = num_full
 
     def free(self, request: Request) -> None:

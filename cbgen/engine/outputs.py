@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cbgen.engine.logprobs import TokenLogprob
 from cbgen.metrics import RequestMetrics
 
 
@@ -22,6 +23,12 @@ class RequestOutput:
     metrics: RequestMetrics
     sample_index: int = 0
     """Which of a prompt's n samples this is."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per output token (the stop token included) when logprobs were asked for."""
+    cumulative_logprob: float | None = None
+    """The sum of those logprobs."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """One per prompt token, None for the first, when prompt_logprobs were asked for."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 
 from cbgen.config import SamplingParams
+from cbgen.engine.logprobs import PositionLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,6 +65,10 @@ class Request:
     finished_time: float | None = None
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request, if any."""
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    """One per output token when sampling_params.logprobs is set."""
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    """Prompt tokens 1.. when sampling_params.prompt_logprobs is set (token 0 has none)."""
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

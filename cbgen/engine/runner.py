@@ -9,20 +9,24 @@ The flat batch (no padding), for B scheduled requests and T tokens:
 
 Block tables live in one preallocated [max_num_seqs, max_blocks_per_seq] array: a request
 keeps its row while it runs and only its new block ids are written each step.
+
+Logits are computed at the last position of each request that samples, and, for requests
+with prompt_logprobs, at the prompt positions this step computes (see _score_prompts).
 """
 
 from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.config import SamplingParams
-from cbgen.engine.sampler import Sampler, SamplingRow
+from cbgen.engine.logprobs import PositionLogprobs
+from cbgen.engine.sampler import Sampler, SamplingRow, position_logprobs
 from cbgen.engine.scheduler import SchedulerOutput
 from cbgen.models.llama import CausalLM
 
@@ -35,6 +39,22 @@ class NewRequestInfo:
     params: SamplingParams
     seed: int
     stop_ids_for_min_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    """The sampled token of every request that caught up."""
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    """Of those, the requests with logprobs: their sampled token's."""
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    """Requests with prompt_logprobs: the prompt tokens scored this step, in order."""
+
+
+PROMPT_LOGITS_ROWS = 256
+"""Prompt positions per LM-head call when scoring a prompt: bounds the logits tensor."""
 
 
 @dataclass
@@ -95,6 +115,9 @@ class ModelRunner:
         self.rows: dict[str, _RowState] = {}
         self.infos: dict[str, NewRequestInfo] = {}
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_scored: dict[str, int] = {}
+        """Requests with prompt_logprobs: prompt tokens scored so far (the first counts: it
+        has no logprob). Kept through preemption, so a recompute scores nothing twice."""
         self.sampler = Sampler()
 
     # ---- request bookkeeping -----------------------------------------------------------
@@ -105,6 +128,8 @@ class ModelRunner:
             # head's seed) are made there, one per row, so a seeded request draws the same
             # numbers alone or in any batch. A CUDA generator would refuse a host draw.
             self.generators[request_id] = torch.Generator(device="cpu").manual_seed(info.seed)
+        if info.params.prompt_logprobs is not None:
+            self.prompt_scored[request_id] = 1
 
     def _drop_row(self, request_id: str) -> None:
         state = self.rows.pop(request_id, None)
@@ -115,6 +140,7 @@ class ModelRunner:
         self._drop_row(request_id)
         self.infos.pop(request_id, None)
         self.generators.pop(request_id, None)
+        self.prompt_scored.pop(request_id, None)
 
     # ---- one step -------------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -131,17 +157,23 @@ class ModelRunner:
                 state = self.rows[s.request_id]
             n = len(s.new_block_ids)
             if n:
-                self.block_table[state.row, state.num_blocks : state.num_blocks + n] = s.new_block_ids
+                self.block_table[state.row, state.num_blocks : state.num_blocks + n] = (
+                    s.new_block_ids
+                )
                 state.num_blocks += n
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The flat batch for this step: (input_ids, positions, metadata, logits_indices)."""
         bs = self.block_size
         sched = out.scheduled
         states = [self.rows[s.request_id] for s in sched]
         rows = np.fromiter((st.row for st in states), dtype=np.int64, count=len(sched))
         num_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
-        computed = np.fromiter((s.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched))
+        computed = np.fromiter(
+            (s.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched)
+        )
         qsl = np.zeros(len(sched) + 1, dtype=np.int64)
         np.cumsum(num_new, out=qsl[1:])
         total = int(qsl[-1])
@@ -149,7 +181,9 @@ class ModelRunner:
         # positions: for token t of request i, computed[i] + (t - qsl[i])
         positions = np.repeat(computed - qsl[:-1], num_new) + np.arange(total)
         token_rows = np.repeat(rows, num_new)
-        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        slot_mapping = (
+            self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        )
         if total == len(sched):  # one token each (decodes, or 1-token prompt chunks)
             input_ids = np.fromiter(
                 (st.token_ids[s.num_computed_tokens] for s, st in zip(sched, states, strict=True)),
@@ -184,11 +218,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns the sampled token of every request that caught up."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step: the sampled tokens, and the logprobs of the requests that ask."""
         self._update_states(out)
         if out.is_empty:
-            return {}
+            return RunnerOutput()
         for s in out.scheduled:
             if s.kv_copy is not None:
                 src, dst, n = s.kv_copy
@@ -197,9 +231,10 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
         self.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        prompt_logprobs = self._score_prompts(out, hidden) if self.prompt_scored else {}
         sampling = [s for s in out.scheduled if s.will_sample]
         if not sampling:
-            return {}
+            return RunnerOutput(prompt_logprobs=prompt_logprobs)
         rows = []
         for s in sampling:
             info = self.infos[s.request_id]
@@ -213,30 +248,44 @@ class ModelRunner:
                     stop_ids_for_min_tokens=info.stop_ids_for_min_tokens,
                 )
             )
-        sampled = self._sample(hidden[logits_indices], rows)
+        sampled, logprobs = self._sample(hidden[logits_indices], rows)
         result = {}
         for s, token in zip(sampling, sampled, strict=True):
             self.rows[s.request_id].token_ids.append(token)
             result[s.request_id] = token
-        return result
+        return RunnerOutput(
+            result,
+            {s.request_id: lp for s, lp in zip(sampling, logprobs, strict=True) if lp is not None},
+            prompt_logprobs,
+        )
 
-    def _sample(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """One token per row. Rows the bf16 head answers exactly (plain greedy, plain
-        temperature sampling) go through it; the others, and any row it hands back, through the
+    def _sample(
+        self, hidden: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[PositionLogprobs | None]]:
+        """One token per row, and its logprobs for the rows that ask. Rows the bf16 head
+        answers exactly (plain greedy, plain temperature sampling, no logprobs: the head makes
+        no float32 logits) go through it; the others, and any row it hands back, through the
         float32 logits and the sampler. The path depends on the row alone, so a seeded request
         draws the same tokens whatever shares its batch."""
         head = self.model.bf16_head
         tokens = [-1] * len(rows)
+        logprobs: list[PositionLogprobs | None] = [None] * len(rows)
         if head is not None:
             vocab = self.model.head_weight.shape[0]
             fast = [
-                i for i, r in enumerate(rows) if r.plain_argmax or r.plain_draw(vocab, head.MIN_TEMPERATURE)
+                i
+                for i, r in enumerate(rows)
+                if r.params.logprobs is None
+                and (r.plain_argmax or r.plain_draw(vocab, head.MIN_TEMPERATURE))
             ]
             if fast:
                 params = [rows[i].params for i in fast]
                 temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
                 seeds = torch.tensor(
-                    [0 if p.greedy else _draw_seed(rows[i].generator) for i, p in zip(fast, params, strict=True)]
+                    [
+                        0 if p.greedy else _draw_seed(rows[i].generator)
+                        for i, p in zip(fast, params, strict=True)
+                    ]
                 )
                 got = head(hidden if len(fast) == len(rows) else hidden[fast], temperature, seeds)
                 for i, token in zip(fast, got.tolist(), strict=True):
@@ -244,9 +293,66 @@ class ModelRunner:
         rest = [i for i, token in enumerate(tokens) if token < 0]
         if rest:
             logits = self.model.compute_logits(hidden if len(rest) == len(rows) else hidden[rest])
+            asking = [j for j, i in enumerate(rest) if rows[i].params.logprobs is not None]
+            raw = logits[asking] if asking else None  # a copy: the sampler works in place
             for i, token in zip(rest, self.sampler(logits, [rows[i] for i in rest]), strict=True):
                 tokens[i] = token
-        return tokens
+            if raw is not None:
+                picked = [rest[j] for j in asking]
+                measured = position_logprobs(
+                    raw,
+                    [tokens[i] for i in picked],
+                    [rows[i].params.logprobs or 0 for i in picked],
+                )
+                for i, lp in zip(picked, measured, strict=True):
+                    logprobs[i] = lp
+        return tokens, logprobs
+
+    def _score_prompts(
+        self, out: SchedulerOutput, hidden: torch.Tensor
+    ) -> dict[str, list[PositionLogprobs]]:
+        """Logprobs of the prompt tokens this step's positions predict, for requests with
+        prompt_logprobs. The logits at position p score token p + 1; the last prompt position
+        samples the first output token instead:
+
+            prompt      t0   t1   t2  ...  t[P-1] | out0
+            position    0    1    2   ...  P-1
+            scores      t1   t2   t3  ...  (samples out0)
+
+        A chunk [c, c + n) of the flat batch scores tokens c + 1 .. min(c + n, P - 1), those
+        not scored before (a recompute after preemption starts again at 0)."""
+        index: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[str, int]] = []  # (request, number of its rows in index)
+        start = 0
+        for s in out.scheduled:
+            rid, c = s.request_id, s.num_computed_tokens
+            scored = self.prompt_scored.get(rid)
+            if scored is not None:
+                lo = max(c, scored - 1)
+                hi = min(c + s.num_new_tokens, self.infos[rid].prompt_len - 1)
+                if lo < hi:
+                    index.extend(range(start + lo - c, start + hi - c))
+                    targets.extend(self.rows[rid].token_ids[lo + 1 : hi + 1])
+                    owners.append((rid, hi - lo))
+                    self.prompt_scored[rid] = hi + 1
+            start += s.num_new_tokens
+        if not index:
+            return {}
+        num_top = [
+            self.infos[rid].params.prompt_logprobs or 0 for rid, n in owners for _ in range(n)
+        ]
+        measured: list[PositionLogprobs] = []
+        for a in range(0, len(index), PROMPT_LOGITS_ROWS):
+            b = a + PROMPT_LOGITS_ROWS
+            logits = self.model.compute_logits(hidden[index[a:b]])
+            measured += position_logprobs(logits, targets[a:b], num_top[a:b])
+        result = {}
+        first = 0
+        for rid, n in owners:
+            result[rid] = measured[first : first + n]
+            first += n
+        return result
 
 
 def _draw_seed(generator: torch.Generator | None) -> int:

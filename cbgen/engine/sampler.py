@@ -19,6 +19,7 @@ import torch
 
 from cbgen.config import SamplingParams
 from cbgen.cpu import kernels
+from cbgen.engine.logprobs import PositionLogprobs
 
 
 @dataclass
@@ -173,6 +174,25 @@ def _sample_torch(
     target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
     picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return picked.clamp_(max=vocab - 1)
+
+
+def position_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]
+) -> list[PositionLogprobs]:
+    """Row i of logits [N, V] (raw: before temperature, penalties and masks): the float32
+    log-softmax of token_ids[i] and the num_top[i] best entries, best first. One host read."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(token_ids), device=lp.device)
+    chosen = lp.gather(1, ids[:, None]).squeeze(1)
+    k = min(max(num_top), lp.shape[-1])
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], ids[:, None][:, :0])
+    # one float64 table [N, 1 + 2k]: float32 values and token ids are both exact in it
+    parts = (chosen[:, None], top_lp, top_ids)
+    table = torch.cat([t.double() for t in parts], dim=1).tolist()
+    return [
+        PositionLogprobs(t, row[0], [int(x) for x in row[1 + k : 1 + k + n]], row[1 : 1 + n])
+        for t, n, row in zip(token_ids, [min(n, k) for n in num_top], table, strict=True)
+    ]
 
 
 class Sampler:

@@ -27,6 +27,8 @@ OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 # OpenAI body fields with another name here.
 OPENAI_ALIASES = {"max_completion_tokens": "max_tokens"}
 SAMPLING_FIELDS = frozenset(SamplingParams.field_names())
+# OpenAI's `logprobs: true` + `top_logprobs: k`; vLLM's `logprobs: k` is a sampling field.
+LOGPROB_FIELDS = frozenset({"top_logprobs"})
 # OpenAI body fields that change nothing in an offline batch: accepted and ignored.
 OPENAI_NO_EFFECT = frozenset(
     {
@@ -54,9 +56,6 @@ UNSUPPORTED_FEATURES = frozenset(
         "guided_choice",
         "guided_grammar",
         "guided_decoding",
-        "logprobs",
-        "top_logprobs",
-        "prompt_logprobs",
         "tools",
         "tool_choice",
         "functions",
@@ -82,9 +81,6 @@ UNSUPPORTED_FEATURES = frozenset(
     }
 )
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "prompt_logprobs": (0,),
     "echo": (False,),
     "response_format": ({"type": "text"},),
     "tools": ([],),
@@ -363,12 +359,13 @@ def _check_fields(source: Mapping[str, Any], openai: bool, spec: ColumnSpec) -> 
             raise RowError(f"{where}: cbgen does not implement this request field yet")
         if openai and not (
             name in SAMPLING_FIELDS
+            or name in LOGPROB_FIELDS
             or name in OPENAI_ALIASES
             or name in OPENAI_NO_EFFECT
             or name in OPENAI_URLS.values()
         ):
             raise RowError(
-                f"{where}: unknown field (cbgen takes {', '.join(sorted(SAMPLING_FIELDS | OPENAI_ALIASES.keys()))}; "
+                f"{where}: unknown field (cbgen takes {', '.join(sorted(SAMPLING_FIELDS | LOGPROB_FIELDS | OPENAI_ALIASES.keys()))}; "
                 f"ignores {', '.join(sorted(OPENAI_NO_EFFECT))})"
             )
 
@@ -379,7 +376,29 @@ def _overrides(source: Mapping[str, Any], openai: bool) -> dict[str, Any]:
         for alias, name in OPENAI_ALIASES.items():
             if source.get(alias) is not None:
                 out[name] = source[alias]
+    out.pop("logprobs", None)
+    out.update(_logprobs(source.get("logprobs"), source.get("top_logprobs")))
     return out
+
+
+def _logprobs(want: Any, top: Any) -> dict[str, Any]:
+    """SamplingParams.logprobs from OpenAI's `logprobs: true` (+ `top_logprobs: k`, default 0)
+    or vLLM's `logprobs: k`; `false` asks for none. Nothing when neither field is given."""
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise RowError(f"top_logprobs: must be an integer, got {_describe(top)}")
+    if want is None or want is False:
+        if top:
+            raise RowError("top_logprobs: needs logprobs: true")
+        return {} if want is None else {"logprobs": None}
+    if want is True:
+        return {"logprobs": top or 0}
+    if not isinstance(want, int):
+        raise RowError(f"logprobs: must be true, false or an integer, got {_describe(want)}")
+    if top is not None:
+        raise RowError(
+            "top_logprobs: goes with logprobs: true; with an integer logprobs give one or the other"
+        )
+    return {"logprobs": want}
 
 
 def make_params(defaults: SamplingParams, overrides: Mapping[str, Any]) -> SamplingParams:

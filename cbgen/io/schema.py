@@ -2,23 +2,33 @@
 
     id | row | sample_index | prompt_tokens | cached_tokens | completion | completion_tokens |
     finish_reason | stop_reason | error | queue_s | ttft_s | tpot_s | itl_p50_s | itl_p99_s |
-    itl_max_s | e2e_s | num_preemptions | <pass-through columns>
+    itl_max_s | e2e_s | num_preemptions | cumulative_logprob | logprobs | prompt_logprobs |
+    <pass-through columns>
 
 Latencies are seconds on one monotonic clock (time.perf_counter), measured from the moment
 the request entered the engine; for a successful row 0 <= queue_s <= ttft_s <= e2e_s.
+The logprob columns are null unless the row asked for them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 
+from cbgen.engine.logprobs import TokenLogprob
 from cbgen.engine.outputs import RequestOutput
 from cbgen.io.rows import InputRow
 
 LATENCY_COLUMNS = ("queue_s", "ttft_s", "tpot_s", "itl_p50_s", "itl_p99_s", "itl_max_s", "e2e_s")
+LOGPROB_COLUMNS = ("cumulative_logprob", "logprobs", "prompt_logprobs")
+
+_TOP_LOGPROB = pa.struct(
+    [("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())]
+)
+TOKEN_LOGPROB = pa.struct([*_TOP_LOGPROB, ("top_logprobs", pa.list_(_TOP_LOGPROB))])
+"""One token's entry: the token, its logprob and the top entries, best first."""
 
 BASE_FIELDS: tuple[pa.Field, ...] = (
     pa.field("id", pa.string(), nullable=False),
@@ -33,6 +43,9 @@ BASE_FIELDS: tuple[pa.Field, ...] = (
     pa.field("error", pa.string()),
     *(pa.field(c, pa.float64()) for c in LATENCY_COLUMNS),
     pa.field("num_preemptions", pa.int32()),
+    pa.field("cumulative_logprob", pa.float64()),
+    pa.field("logprobs", pa.list_(TOKEN_LOGPROB)),
+    pa.field("prompt_logprobs", pa.list_(TOKEN_LOGPROB)),
 )
 BASE_NAMES = frozenset(f.name for f in BASE_FIELDS)
 
@@ -68,9 +81,32 @@ def ok_record(row: InputRow, sample_index: int, out: RequestOutput) -> dict[str,
         "itl_max_s": m.itl_max_s,
         "e2e_s": m.e2e_s,
         "num_preemptions": out.num_preemptions,
+        "cumulative_logprob": out.cumulative_logprob,
+        "logprobs": _entries(out.logprobs),
+        "prompt_logprobs": _entries(out.prompt_logprobs),
     }
     rec.update(row.keep)
     return rec
+
+
+def _entries(logprobs: Sequence[TokenLogprob | None] | None) -> list[Any] | None:
+    """TOKEN_LOGPROB values (None stays None: the first prompt token has no logprob)."""
+    if logprobs is None:
+        return None
+    return [
+        None
+        if e is None
+        else {
+            "token_id": e.token_id,
+            "token": e.token,
+            "logprob": e.logprob,
+            "top_logprobs": [
+                {"token_id": t.token_id, "token": t.token, "logprob": t.logprob}
+                for t in e.top_logprobs
+            ],
+        }
+        for e in logprobs
+    ]
 
 
 def error_record(
@@ -90,6 +126,7 @@ def error_record(
         "error": message,
         **dict.fromkeys(LATENCY_COLUMNS),
         "num_preemptions": 0,
+        **dict.fromkeys(LOGPROB_COLUMNS),
     }
     rec.update(row.keep)
     return rec
