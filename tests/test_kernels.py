@@ -430,6 +430,10 @@ def test_kernels_compile_for_hopper() -> None:
         "paged_attention[decode,bf16]",
         "paged_attention[decode-split,bf16]",
         "merge_splits[bf16]",
+        "add_rmsnorm[h,bf16]",
+        "add_rmsnorm[no-h,bf16]",
+        "rope[bf16]",
+        "silu_mul[bf16]",
     ]
 
 

@@ -4,8 +4,13 @@ with the PyPI package `kernels`, which transformers probes for).
     write_kv_cache            new K/V into the paged cache by slot_mapping (negative: skipped)
     paged_attention           one launch for a flat mixed batch of prefill chunks and decodes
     paged_attention_split_kv  split-KV (flash-decoding) form, merged by log-sum-exp
+    add_rmsnorm_              residual += h in place, then RMSNorm(residual) * weight
+    rope_                     rotate_half RoPE in place on (strided) q/k rows, tables gathered
+    silu_mul                  SiLU(gate) * up over [gate | up]
 
-Each has the signature of its torch reference in cbgen.attention.torch_backend. Set
+The attention kernels have the signatures of their torch references in
+cbgen.attention.torch_backend; the element-wise ones compute what cbgen.models.ops.TorchOps
+does (cbgen.models.triton_ops.TritonOps puts them behind the model's Ops interface). Set
 TRITON_INTERPRET=1 before triton is first imported to run them on the CPU (interpreter).
 """
 
@@ -19,24 +24,28 @@ from cbgen_kernels.attention import (
     paged_attention_split_kv,
 )
 from cbgen_kernels.cache import write_kv_cache
+from cbgen_kernels.elementwise import rope_, silu_mul
+from cbgen_kernels.norm import add_rmsnorm_
+from cbgen_kernels.rounding import INTERPRETED
 
 
 def interpreted() -> bool:
     """True when these kernels were built for the Triton interpreter (they then run on CPU
     tensors); False when they compile for a GPU."""
-    from cbgen_kernels import attention
-
-    return attention._INTERPRETED
+    return INTERPRETED
 
 
 __all__ = [
     "LaunchConfig",
     "SplitWorkspace",
+    "add_rmsnorm_",
     "choose_config",
     "choose_num_splits",
     "interpreted",
     "num_sms",
     "paged_attention",
     "paged_attention_split_kv",
+    "rope_",
+    "silu_mul",
     "write_kv_cache",
 ]

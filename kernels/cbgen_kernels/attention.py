@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cbgen_kernels.rounding import INTERPRETED
+
 LOG2E = 1.4426950408889634
 MASKED = tl.constexpr(-1.0e30)
 """Score of an invisible key: finite, so a row that sees no key in a range yields exp2(0) terms
@@ -297,17 +299,6 @@ def choose_num_splits(
     return int(max(1, min(want, room, max_splits)))
 
 
-def _is_interpreted() -> bool:
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - very old triton
-        return False
-    return isinstance(_paged_attention_kernel, InterpretedFunction)
-
-
-_INTERPRETED = _is_interpreted()
-
-
 def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
@@ -374,7 +365,7 @@ def _launch(
         # The interpreter computes bfloat16 arithmetic wrongly (numpy has no bfloat16), so
         # there the dot operands are widened to float32 first; products of bf16 values are
         # exact in float32 either way.
-        UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
+        UPCAST=INTERPRETED and query.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
 

@@ -1,4 +1,5 @@
-"""Compile every kernel variant the backends launch for a CUDA target, without a GPU.
+"""Compile every kernel variant the backends and TritonOps launch for a CUDA target, without a
+GPU.
 
 Triton lowers to PTX and runs ptxas (shipped with triton) on any machine, so this catches what
 the interpreter cannot: type errors of the compiled dialect, unsupported constructs, and tiles
@@ -16,6 +17,8 @@ from typing import Any
 
 # Shared memory a block may use, by compute capability (bytes; from the CUDA programming guide).
 MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+ELEMENTWISE = ("add_rmsnorm", "rope", "silu_mul")
+"""Variants launched without fused multiply-adds (they round where the torch reference does)."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ def _signature(fn: Any, pointers: dict[str, str], constexprs: dict[str, Any]) ->
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = pointers[name]
-        elif name.startswith("scale"):
+        elif name.startswith("scale") or name == "eps":
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -46,6 +49,8 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
     head_dim 128, GQA 4 and 16-token pages, in one dtype ("bf16", "fp16" or "fp32")."""
     from cbgen_kernels.attention import _merge_splits_kernel, _paged_attention_kernel, choose_config
     from cbgen_kernels.cache import _write_kv_kernel
+    from cbgen_kernels.elementwise import _rope_kernel, _silu_mul_kernel
+    from cbgen_kernels.norm import _add_rmsnorm_kernel
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
     write_ptrs = {
@@ -94,14 +99,44 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
             dict(HEAD_DIM=128, DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4),
         )
     )
+    # the element-wise ops (TritonOps) of a Llama-8B-shape layer: hidden 4096, 32 + 8 heads of
+    # 128 rotated in qkv rows, intermediate 14336
+    norm_ptrs = {n: f"*{dtype}" for n in ("residual_ptr", "h_ptr", "weight_ptr", "out_ptr")}
+    for has_h in (True, False):
+        out.append(
+            (
+                f"add_rmsnorm[{'h' if has_h else 'no-h'},{dtype}]",
+                _add_rmsnorm_kernel,
+                norm_ptrs,
+                dict(N=4096, BLOCK=4096, HAS_H=has_h, SOFT_BF16=False),
+            )
+        )
+    rope_ptrs = {"x_ptr": f"*{dtype}", "positions_ptr": "*i64"}
+    rope_ptrs |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    out.append(
+        (
+            f"rope[{dtype}]",
+            _rope_kernel,
+            rope_ptrs,
+            dict(NUM_HEADS=40, HALF=64, HEADS_PAD=64, HALF_PAD=64, SOFT_BF16=False),
+        )
+    )
+    out.append(
+        (
+            f"silu_mul[{dtype}]",
+            _silu_mul_kernel,
+            {"gate_up_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
+            dict(INTER=14336, BLOCK=1024, SOFT_BF16=False),
+        )
+    )
     return out
 
 
 def compile_all(
     arch: int = 90, dtypes: tuple[str, ...] = ("bf16", "fp32")
 ) -> list[CompiledVariant]:
-    """Compile every variant for sm_<arch>; raises on a compile error or a tile that exceeds
-    the chip's shared memory."""
+    """Compile every variant for sm_<arch>; raises on a compile error, a tile that exceeds
+    the chip's shared memory, or a fused multiply-add in an element-wise kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -117,7 +152,14 @@ def compile_all(
     for dtype in dtypes:
         for name, fn, ptrs, consts in variants(dtype):
             src = ASTSource(fn=fn, signature=_signature(fn, ptrs, consts), constexprs=consts)
-            compiled = triton.compile(src, target=target, options={"num_warps": 4})
+            options: dict[str, Any] = {"num_warps": 4}
+            if name.startswith(ELEMENTWISE):
+                options["enable_fp_fusion"] = False  # as launched: every operation rounded
+            compiled = triton.compile(src, target=target, options=options)
+            if name.startswith(ELEMENTWISE) and "fma." in compiled.asm["ptx"]:
+                raise RuntimeError(
+                    f"{name}: fused multiply-adds, which torch's ops do not round as"
+                )
             shared = int(compiled.metadata.shared)
             limit = MAX_SHARED.get(arch, 99 * 1024)
             if shared > limit:

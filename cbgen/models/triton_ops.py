@@ -1,0 +1,42 @@
+"""The decoder's element-wise ops as Triton kernels (cbgen_kernels), the loader's choice on CUDA
+when triton imports: residual add + RMSNorm in one pass, RoPE in place with the cos/sin tables
+gathered inside the kernel, and SiLU x up in one pass over the gate-up projection. Each rounds
+as cbgen.models.ops.TorchOps, the reference, does (tests/test_triton_ops.py).
+
+Triton is an optional dependency, so this module imports without it; cbgen_kernels (and
+triton) are imported when a TritonOps is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class TritonOps:
+    name = "triton"
+
+    def __init__(self) -> None:
+        import cbgen_kernels
+
+        self.kernels = cbgen_kernels
+
+    def add_rmsnorm_(
+        self, residual: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.kernels.add_rmsnorm_(residual, h, weight, eps)
+
+    def rope_tables(
+        self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's positions and the float32 tables themselves: the kernel gathers the rows
+        and rounds them to the activation dtype (x's, which is dtype), as the reference does."""
+        return positions.contiguous(), cos, sin
+
+    def rope_(self, x: torch.Tensor, num_heads: int, head_dim: int, tables: Any) -> None:
+        positions, cos, sin = tables
+        self.kernels.rope_(x, num_heads, head_dim, positions, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
