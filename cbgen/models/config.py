@@ -40,6 +40,10 @@ class ModelConfig:
     """RMSNorm on each query and key head before RoPE (Qwen3)."""
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    sliding_window: int | None = None
+    """Tokens a query may look back in the layers that use a window (Mistral's sliding_window;
+    Qwen2/3's with use_sliding_window, in the layers from max_window_layers on); None: none.
+    cbgen's attention has no window yet, so the engine keeps sequences within it."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -108,7 +112,8 @@ class ModelConfig:
             qk_norm=kind == "qwen3",
             bos_token_id=_token_id(cfg, "bos_token_id"),
             eos_token_id=_token_ids(cfg, "eos_token_id"),
-            extra={"hf_model_type": model_type, "sliding_window": cfg.get("sliding_window")},
+            sliding_window=_sliding_window(cfg, model_type),
+            extra={"hf_model_type": model_type},
         )
 
     @classmethod
@@ -247,3 +252,19 @@ BUILTIN_SHAPES: dict[str, ModelConfig] = {
     ),
 }
 # fmt: on
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    """The window where transformers applies one: Mistral whenever sliding_window is set;
+    Qwen2/Qwen3 only with use_sliding_window, in layers max_window_layers and up; Llama never."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if model_type in ("qwen2", "qwen3"):
+        layers = _int(cfg, "num_hidden_layers")
+        first = cfg.get("max_window_layers", layers)
+        if not cfg.get("use_sliding_window") or (type(first) is int and first >= layers):
+            return None
+    elif model_type != "mistral":
+        return None
+    return _int(cfg, "sliding_window")
