@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from cbgen.attention.triton_backend import triton_available
 from cbgen.config import DEFAULT_MODEL
 from cbgen.cpu.kernels import fused_ops_available
 from cbgen.cpu.linear import Bf16Head, bf16_matmul_fast, onednn_packing_available
@@ -36,6 +37,7 @@ from cbgen.models.errors import ModelFileError, one_line, read_json_object
 from cbgen.models.gguf_file import GGUFError, GGUFFile
 from cbgen.models.llama import CausalLM
 from cbgen.models.safetensors_file import check_safetensors
+from cbgen.models.triton_ops import TritonOps
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -340,6 +342,8 @@ def load_model(
             raise ModelFileError(f"model {source.path}: missing weights {sorted(missing)[:5]}")
     model.eval()
     model.requires_grad_(False)
+    if device.type == "cuda" and triton_available():
+        model.ops = TritonOps()
     if device.type == "cpu" and dtype == torch.float32:
         native = fused_ops_available()
         if native:
