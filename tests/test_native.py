@@ -294,18 +294,28 @@ def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
 
 
 @pytest.mark.usefixtures("each_build")
-def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
+@pytest.mark.parametrize("prefill_kernel", [True, False])
+def test_mixed_batch_through_the_kernel_matches_the_torch_path(
+    prefill_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The cpu backend's attention: decodes, small prefill chunks (with and without cached
     context: the C decode kernel, one query token at a time) and chunks too large for it (the
-    C prefill kernel, with and without cached context) in one flat batch, against the torch
-    reference (SDPA); the large chunks also against a float64 softmax written out."""
+    C prefill kernel, or SDPA where a build prefers it, with and without cached context) in one
+    flat batch, against the torch reference (SDPA); the large chunks also against a float64
+    softmax written out."""
+    monkeypatch.setattr(kernels, "prefill_split", lambda: (8192, prefill_kernel))
+    calls = []
+    inner = kernels.prefill_attention_f32
+    monkeypatch.setattr(
+        kernels, "prefill_attention_f32", lambda *a: calls.append(a[0].shape[0]) or inner(*a)
+    )
     torch.manual_seed(4)
     bs, hkv, group, d, num_blocks = 16, 2, 3, 64, 96
     kv = torch.randn(2, num_blocks, bs, hkv, d)
     # (query_len, seq_len): decode, small first chunk, small chunk after context, big chunk
     # after context, big first chunk, decode
     shape = [(1, 40), (12, 12), (9, 70), (150, 230), (140, 140), (1, 3)]
-    assert 140 * (140 - 70) > cpu_backend.NATIVE_PREFILL_ROWS > 9 * (70 - 4.5)
+    assert 140 * (140 - 70) > kernels.prefill_split()[0] > 9 * (70 - 4.5)
     qsl = torch.tensor([0] + [q for q, _ in shape], dtype=torch.int32).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([s for _, s in shape], dtype=torch.int32)
     block_table = torch.randperm(num_blocks)[: 6 * 15].view(6, 15).int()
@@ -318,6 +328,7 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path() -> None:
         q, kv, torch_backend.plan_attention(block_table, qsl, seq_lens, bs), 0.125
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == ([150, 140] if prefill_kernel else [])
     for i in (3, 4):
         (qlen, seq_len), start = shape[i], int(qsl[i])
         keys = kv[:, block_table[i]].flatten(1, 2)[:, :seq_len]  # [2, L, Hkv, D]
@@ -558,8 +569,10 @@ def test_small_gemm_is_bit_identical_without_avx512(
     avx2_panels = kernels.pack_panels(weight)
     assert avx2_panels is not None and torch.equal(avx2_panels, panels)
     assert torch.equal(kernels.small_gemm(x, avx2_panels, bias), want)
-    # its own row threshold, answered by the build whose tiles it was measured for
+    # its own row thresholds, answered by the build whose tiles they were measured for: past
+    # its decode kernel, SDPA takes the prompt chunks its prefill kernel's tiles are too big for
     assert lib is not None and lib.cbgen_small_gemm_max_rows() > 0
+    assert lib.cbgen_native_prefill_rows() > 8192 and not lib.cbgen_prefill_kernel_preferred()
 
 
 def _other_node(here: cpu_build.Target) -> cpu_build.Target:

@@ -6,7 +6,11 @@ cbgen.cpu.kernels doing the work in float32 (the auto choice on the CPU).
     decodes, and        the C decode kernel straight from the block table, one query token
     small prefill       at a time (query token j of a chunk is a one-token query over
     chunks              seq_len - query_len + j + 1 keys): no gather of K/V
-    larger chunks       the C prefill kernel over the chunk's gathered K/V
+    larger chunks       the C prefill kernel over the chunk's gathered K/V, or torch's SDPA
+                        where that kernel is the slower (AVX2 builds)
+
+Small and large are told apart by the K/V rows a chunk's query tokens read in all (query_len x
+mean keys per query) against a threshold measured per ISA: kernels.prefill_split.
 
 Whatever a kernel refuses (another dtype, a shape it does not hold, no C compiler to build the
 kernels with) takes the torch reference's path instead, so this backend answers wherever the
@@ -25,18 +29,12 @@ from cbgen.attention.base import AttentionBackend, AttentionMetadata
 from cbgen.attention.torch_backend import AttentionPlan, PrefillChunk
 from cbgen.cpu import kernels
 
-NATIVE_PREFILL_ROWS = 8192
-"""A prefill chunk goes to the C decode kernel when its query tokens read at most this many
-K/V rows in all (query_len x mean keys per query); past that, one call of the prefill kernel
-over the gathered K/V is cheaper than the decode kernel's per-token reads (a call costs
-about as much as 8k rows on the machine this was measured on)."""
-
 
 @dataclass
 class NativePlan:
-    """Work for the C decode kernel: every decode, and every token of the prefill chunks of at
-    most NATIVE_PREFILL_ROWS rows. Tokens are in flat-batch order, so when all are covered,
-    row i is token i."""
+    """Work for the C decode kernel: every decode, and every token of the prefill chunks that
+    read at most kernels.prefill_split()[0] K/V rows. Tokens are in flat-batch order, so when
+    all are covered, row i is token i."""
 
     tokens: torch.Tensor  # [N] token indices in the flat batch
     blocks: torch.Tensor  # [N, nb] int32 block table row of each token's sequence
@@ -68,6 +66,7 @@ def plan_attention(
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     left = {p[0]: p for p in reference.prefills}
+    most_rows = kernels.prefill_split()[0]
     tokens, rows, keys = [], [], []
     max_len = 0
     for i, seq_len in enumerate(lens):
@@ -76,7 +75,7 @@ def plan_attention(
         if qlen == 0:
             continue
         if qlen > 1:
-            if qlen * (seq_len - qlen / 2) > NATIVE_PREFILL_ROWS:
+            if qlen * (seq_len - qlen / 2) > most_rows:
                 continue
             del left[start]
         tokens.append(np.arange(start, end))
@@ -128,10 +127,15 @@ def attend(
             prefills = plan.reference.prefills
     if out is None:
         out = torch.empty_like(query)
+    prefill_kernel = kernels.prefill_split()[1]
     for chunk in prefills:
         start, end = chunk[0], chunk[1]
         keys, values = torch_backend.gather_context(kv_cache, chunk)
-        o = kernels.prefill_attention_f32(query[start:end], keys, values, scale)
+        o = (
+            kernels.prefill_attention_f32(query[start:end], keys, values, scale)
+            if prefill_kernel
+            else None
+        )
         out[start:end] = (
             o
             if o is not None

@@ -273,6 +273,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cbgen_small_gemm_max_rows.restype = i64
     lib.cbgen_prefill_attention_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64, i64, f32]
     lib.cbgen_prefill_attention_f32.restype = ctypes.c_int
+    lib.cbgen_native_prefill_rows.argtypes = []
+    lib.cbgen_native_prefill_rows.restype = i64
+    lib.cbgen_prefill_kernel_preferred.argtypes = []
+    lib.cbgen_prefill_kernel_preferred.restype = ctypes.c_int
     lib.cbgen_silu_mul_f32.argtypes = [p, i64, i64, p]
     lib.cbgen_silu_mul_f32.restype = None
     lib.cbgen_sample_f32.argtypes = [p, i64, i64, i64, p, p, p]

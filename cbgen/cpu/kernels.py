@@ -373,6 +373,20 @@ def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None)
     return y
 
 
+@functools.cache
+def prefill_split() -> tuple[int, bool]:
+    """How the cpu attention backend splits prompt chunks with this machine's build: (rows,
+    kernel). A chunk whose query tokens read at most `rows` K/V rows in all goes to the decode
+    kernel, one token at a time; a larger one to prefill_attention_f32 when `kernel`, else to
+    torch's SDPA. The build answers, since the kernels' tiles are chosen per ISA when it is
+    compiled (docs/PERFORMANCE.md: 8192 and the kernel with AVX-512; 24576 and SDPA with AVX2).
+    (8192, True) without the kernels, where every chunk takes torch's path anyway."""
+    lib = load_library()
+    if lib is None:
+        return 8192, True
+    return int(lib.cbgen_native_prefill_rows()), bool(lib.cbgen_prefill_kernel_preferred())
+
+
 def prefill_attention_f32(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> torch.Tensor | None:
