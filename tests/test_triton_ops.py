@@ -130,14 +130,15 @@ def test_rope_on_strided_qkv_rows_is_bit_identical(
 
 
 @DTYPES
-def test_rope_on_contiguous_heads(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_dim", [64, 80])  # 80: half a head is not a power of two
+def test_rope_on_contiguous_heads(dtype: torch.dtype, head_dim: int) -> None:
     """The Q/K-norm path hands over q alone: rows of exactly num_heads * head_dim."""
-    q = randn(9, 3 * 64, seed=5, dtype=dtype)
+    q = randn(9, 3 * head_dim, seed=5, dtype=dtype)
     positions = torch.arange(9, device=DEVICE) * 50
-    cos, sin = rope_tables(64)
+    cos, sin = rope_tables(head_dim)
     want, got = q.clone(), q.clone()
-    TORCH_OPS.rope_(want, 3, 64, TORCH_OPS.rope_tables(cos, sin, positions, dtype))
-    ops().rope_(got, 3, 64, ops().rope_tables(cos, sin, positions, dtype))
+    TORCH_OPS.rope_(want, 3, head_dim, TORCH_OPS.rope_tables(cos, sin, positions, dtype))
+    ops().rope_(got, 3, head_dim, ops().rope_tables(cos, sin, positions, dtype))
     assert torch.equal(got, want)
 
 
