@@ -5,6 +5,7 @@ the process's (locks, exit codes), the run in-process where a fault is injected.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -37,6 +38,7 @@ from cbgen.io.lock import OutputLock, OutputLockedError
 from cbgen.io.part import RunPlan
 from cbgen.io.pipeline import StopFlag
 from cbgen.io.rows import ColumnSpec, parse_mapping
+from cbgen.io.schema import output_schema
 from cbgen.io.session import execute
 from cbgen.io.writer import OutputError, OutputLayout
 
@@ -328,7 +330,15 @@ def test_a_disk_that_fills_mid_run_keeps_what_was_flushed_and_resumes(
         ),
         defaults=SamplingParams(max_tokens=3, temperature=0.0),
     )
-    room = [6000]
+    # One finished row per flush (one slot, a flush every loop), and room on the disk for the
+    # stream's schema and about two of those record batches: the third is cut short.
+    import cbgen.io.pipeline as pipeline_mod
+
+    monkeypatch.setattr(pipeline_mod, "FLUSH_INTERVAL_S", 0.0)
+    plan = dataclasses.replace(plan, engine_config=plan.engine_config.replace(max_num_seqs=1))
+    sink = pa.BufferOutputStream()
+    pa.ipc.new_stream(sink, output_schema({})).close()
+    room = [sink.getvalue().size + 5000]
     real_osfile = pa.OSFile
 
     def filling(path: str, mode: str = "rb") -> Any:
