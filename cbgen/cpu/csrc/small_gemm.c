@@ -34,7 +34,7 @@
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define VW 8 /* floats a vector register holds */
 #define MR_MAX 6
-#define MAX_ROWS 128 /* oneDNN even at 128 rows, ahead past it */
+#define MAX_ROWS 256 /* even with oneDNN from 128 rows on (within noise) */
 #define PREFETCH_REST(p) /* a tile's 16 columns are one cache line */
 #else
 #define VW 16
