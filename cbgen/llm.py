@@ -19,8 +19,12 @@ class LLM:
     """LLM(model=None, **engine_options): model None is the default SmolLM2-135M-Instruct;
     engine options are the fields of EngineConfig."""
 
-    def __init__(self, model: str | None = None, *, engine: Engine | None = None, **engine_options: Any) -> None:
-        self.engine = engine if engine is not None else Engine(EngineConfig(model=model, **engine_options))
+    def __init__(
+        self, model: str | None = None, *, engine: Engine | None = None, **engine_options: Any
+    ) -> None:
+        self.engine = (
+            engine if engine is not None else Engine(EngineConfig(model=model, **engine_options))
+        )
 
     @property
     def tokenizer(self) -> Any:
@@ -66,7 +70,8 @@ class LLM:
             for out in engine.step().finished:
                 results[out.request_id] = out
         return [
-            dataclasses.replace(results[sid], sample_index=int(sid.rsplit("-", 1)[1])) for sid in order
+            dataclasses.replace(results[sid], sample_index=int(sid.rsplit("-", 1)[1]))
+            for sid in order
         ]
 
 

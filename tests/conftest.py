@@ -25,23 +25,52 @@ if not torch.cuda.is_available():
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # GQA 4:2, untied
     "llama": dict(
-        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     # QKV bias, GQA 4:1, tied
     "qwen2": dict(
-        model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, vocab_size=256, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=10000.0,
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
     ),
     # Q/K norm, explicit head_dim, GQA 4:2, untied
     "qwen3": dict(
-        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
-        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
         rope_theta=10000.0,
     ),
 }
@@ -54,7 +83,9 @@ def make_tiny_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
 
     cfg_kwargs = dict(TINY_CONFIGS[kind])
     model_type = cfg_kwargs.pop("model_type")
-    cfg = AutoConfig.for_model(model_type, **cfg_kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = AutoConfig.for_model(
+        model_type, **cfg_kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -91,7 +122,9 @@ def smollm2_engine() -> Any:
     """The real model in cbgen, loaded once per test session (float32, CPU)."""
     from cbgen.engine.engine import Engine
 
-    return Engine(max_num_seqs=16, kv_cache_memory=256 << 20, device="cpu", dtype="float32", num_threads=1)
+    return Engine(
+        max_num_seqs=16, kv_cache_memory=256 << 20, device="cpu", dtype="float32", num_threads=1
+    )
 
 
 @pytest.fixture(scope="session")
@@ -100,6 +133,8 @@ def smollm2_hf(smollm2_path: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     p = Path(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p.parent), gguf_file=p.name, dtype=torch.float32
+    )
     model.eval()
     return model

@@ -28,9 +28,18 @@ from cbgen.config import EngineConfig, parse_size
 from cbgen.engine.engine import Engine
 
 TINY_LLAMA = dict(
-    model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
-    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, eos_token_id=2,
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    eos_token_id=2,
 )
 
 
@@ -38,7 +47,9 @@ TINY_LLAMA = dict(
 def weights(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     folder = tmp_path_factory.mktemp("tiny-bench")
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return Engine(EngineConfig(model=str(folder), load_format="dummy", kv_cache_memory=4 << 20, num_threads=1))
+    return Engine(
+        EngineConfig(model=str(folder), load_format="dummy", kv_cache_memory=4 << 20, num_threads=1)
+    )
 
 
 # ---- ShareGPT --------------------------------------------------------------------------------
@@ -76,7 +87,14 @@ def write_sharegpt(path: Path, records: list[Any], cut: str | None = None) -> Pa
 
 
 def sample(path: Path, n: int = 100, seed: int = 0, **kw: Any) -> list[BenchRequest]:
-    return sharegpt.sample_sharegpt(words, lambda t: len(t.split()), n, seed, path=path, **{"max_prompt_len": 12, "max_total_len": 30, **kw})
+    return sharegpt.sample_sharegpt(
+        words,
+        lambda t: len(t.split()),
+        n,
+        seed,
+        path=path,
+        **{"max_prompt_len": 12, "max_total_len": 30, **kw},
+    )
 
 
 def test_sharegpt_sampling_rules(tmp_path: Path) -> None:
@@ -85,9 +103,19 @@ def test_sharegpt_sampling_rules(tmp_path: Path) -> None:
     assert got == {"sharegpt-0": (5, 6), "sharegpt-3": (4, 4), "sharegpt-9": (12, 18)}
     # a capped reply keeps its capped length; a pair that fits once capped is kept
     capped = {r.request_id: (r.prompt_len, r.output_len) for r in sample(path, max_output_len=12)}
-    assert capped == {"sharegpt-0": (5, 6), "sharegpt-3": (4, 4), "sharegpt-6": (8, 12), "sharegpt-9": (12, 12)}
+    assert capped == {
+        "sharegpt-0": (5, 6),
+        "sharegpt-3": (4, 4),
+        "sharegpt-6": (8, 12),
+        "sharegpt-9": (12, 12),
+    }
     # under 4 tokens is judged before capping
-    assert {r.request_id for r in sample(path, max_output_len=2)} == {"sharegpt-0", "sharegpt-3", "sharegpt-6", "sharegpt-9"}
+    assert {r.request_id for r in sample(path, max_output_len=2)} == {
+        "sharegpt-0",
+        "sharegpt-3",
+        "sharegpt-6",
+        "sharegpt-9",
+    }
 
 
 def test_sharegpt_shuffle_follows_the_seed_and_stops_at_num_prompts(tmp_path: Path) -> None:
@@ -98,14 +126,22 @@ def test_sharegpt_shuffle_follows_the_seed_and_stops_at_num_prompts(tmp_path: Pa
         random.Random(seed).shuffle(order)
         got = sample(path, n=10, seed=seed)
         assert [r.request_id for r in got] == [f"sharegpt-{i}" for i in order[:10]]
-        assert [(r.prompt_len, r.output_len) for r in got] == [(4 + i % 7, 4 + i % 5) for i in order[:10]]
-    assert [r.request_id for r in sample(path, n=10, seed=0)] != [r.request_id for r in sample(path, n=10, seed=1)]
+        assert [(r.prompt_len, r.output_len) for r in got] == [
+            (4 + i % 7, 4 + i % 5) for i in order[:10]
+        ]
+    assert [r.request_id for r in sample(path, n=10, seed=0)] != [
+        r.request_id for r in sample(path, n=10, seed=1)
+    ]
 
 
 @pytest.mark.parametrize("chunk", [7, 1 << 20])
-def test_sharegpt_reader_stops_cleanly_at_a_cut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+def test_sharegpt_reader_stops_cleanly_at_a_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
     monkeypatch.setattr(sharegpt, "_CHUNK", chunk)
-    records = [{"id": f"é{i}", "conversations": [{"from": "human", "value": "ü" * i}]} for i in range(5)]
+    records = [
+        {"id": f"é{i}", "conversations": [{"from": "human", "value": "ü" * i}]} for i in range(5)
+    ]
     whole = write_sharegpt(tmp_path / "whole.json", records)
     assert list(sharegpt.iter_records(whole)) == records
     # cut inside the last record (as the packaged file is), and right after a comma
@@ -138,7 +174,9 @@ def test_random_workload_lengths_and_seed() -> None:
 
 
 def test_prefix_workload_shares_prefixes_in_turn() -> None:
-    reqs = prefix_workload(7, prefix_len=20, num_prefixes=3, suffix_len=5, output_len=4, vocab_size=512, seed=1)
+    reqs = prefix_workload(
+        7, prefix_len=20, num_prefixes=3, suffix_len=5, output_len=4, vocab_size=512, seed=1
+    )
     assert [r.prompt_len for r in reqs] == [25] * 7 and {r.output_len for r in reqs} == {4}
     prefixes = [r.prompt_token_ids[:20] for r in reqs[:3]]
     assert len({tuple(p) for p in prefixes}) == 3
@@ -155,22 +193,35 @@ def test_file_workload(tmp_path: Path) -> None:
         '{"custom_id": "c", "prompt": [{"role": "user", "content": "hi there"}], "output_len": 1}\n'
     )
     got = file_workload(p, lambda x: words(x) if isinstance(x, str) else [7, 7], None)
-    assert got == [BenchRequest("a", [1, 2, 3], 5), BenchRequest("1", [0, 1, 2, 3], 2), BenchRequest("c", [7, 7], 1)]
+    assert got == [
+        BenchRequest("a", [1, 2, 3], 5),
+        BenchRequest("1", [0, 1, 2, 3], 2),
+        BenchRequest("c", [7, 7], 1),
+    ]
     assert len(file_workload(p, words, 1)) == 1
     p.write_text('{"prompt_token_ids": [1], "output_len": 0}\n')
     with pytest.raises(ValueError, match="output_len"):
         file_workload(p, words, None)
-    assert fold_into_vocab([BenchRequest("x", [5, 600, 1030], 2)], 512) == [BenchRequest("x", [5, 88, 6], 2)]
+    assert fold_into_vocab([BenchRequest("x", [5, 600, 1030], 2)], 512) == [
+        BenchRequest("x", [5, 88, 6], 2)
+    ]
 
 
 def test_options_parsing() -> None:
     assert parse_sweep("max_num_seqs=1,8,32") == ("max_num_seqs", [1, 8, 32])
-    assert parse_sweep("enable-prefix-caching=true,false") == ("enable_prefix_caching", [True, False])
+    assert parse_sweep("enable-prefix-caching=true,false") == (
+        "enable_prefix_caching",
+        [True, False],
+    )
     assert parse_sweep("kv_cache_memory=1MiB,2048") == ("kv_cache_memory", [1 << 20, 2048])
     for bad in ("model=a,b", "max_num_seqs", "max_num_seqs=x", "nope=1"):
         with pytest.raises(ValueError, match="sweep"):
             parse_sweep(bad)
-    assert parse_size("4GiB") == 4 << 30 and parse_size("512M") == 512 << 20 and parse_size("100") == 100
+    assert (
+        parse_size("4GiB") == 4 << 30
+        and parse_size("512M") == 512 << 20
+        and parse_size("100") == 100
+    )
     assert parse_size("2GB") == 2 * 10**9 and parse_size("1.5KiB") == 1536
     assert [c.label for c in plan_columns("continuous", "static", None)] == ["continuous", "static"]
     cols = plan_columns("continuous", "static", ("max_num_seqs", [1, 4]))
@@ -183,16 +234,31 @@ def test_options_parsing() -> None:
     assert [c.label for c in plan_columns("static", None, ("block_size", [8]))] == ["block_size=8"]
     # a value given again is a repeat (to see the run-to-run spread), not a column to overwrite
     again = plan_columns("continuous", None, ("max_num_seqs", [64, 256, 64, 64]))
-    assert [c.label for c in again] == ["max_num_seqs=64", "max_num_seqs=256", "max_num_seqs=64 #2", "max_num_seqs=64 #3"]
+    assert [c.label for c in again] == [
+        "max_num_seqs=64",
+        "max_num_seqs=256",
+        "max_num_seqs=64 #2",
+        "max_num_seqs=64 #3",
+    ]
     both = plan_columns("continuous", "static", ("max_num_seqs", [4, 4]))
     assert [c.label for c in both] == [
-        "continuous max_num_seqs=4", "static max_num_seqs=4", "continuous max_num_seqs=4 #2", "static max_num_seqs=4 #2"
+        "continuous max_num_seqs=4",
+        "static max_num_seqs=4",
+        "continuous max_num_seqs=4 #2",
+        "static max_num_seqs=4 #2",
     ]
     fake = {c.label: {"output_tokens_per_s": 10.0 * (i + 1)} for i, c in enumerate(both)}
     ratios = _ratio_columns(both, fake)
-    assert list(ratios) == ["continuous / static max_num_seqs=4", "continuous / static max_num_seqs=4 #2"]
-    assert ratios["continuous / static max_num_seqs=4"]["output_tokens_per_s"] == pytest.approx(10.0 / 20.0)
-    assert ratios["continuous / static max_num_seqs=4 #2"]["output_tokens_per_s"] == pytest.approx(30.0 / 40.0)
+    assert list(ratios) == [
+        "continuous / static max_num_seqs=4",
+        "continuous / static max_num_seqs=4 #2",
+    ]
+    assert ratios["continuous / static max_num_seqs=4"]["output_tokens_per_s"] == pytest.approx(
+        10.0 / 20.0
+    )
+    assert ratios["continuous / static max_num_seqs=4 #2"]["output_tokens_per_s"] == pytest.approx(
+        30.0 / 40.0
+    )
 
 
 # ---- arrivals and the runner ---------------------------------------------------------------------
@@ -227,12 +293,21 @@ def test_prefix_workload_cache_hits_are_counted(weights: Engine) -> None:
     """8 requests over 2 prefixes of 32 tokens (2 blocks of 16) + 8 private tokens; a step
     admits about one prompt, so every request after the first two finds its prefix cached:
     6 x 32 cached tokens of 8 x 40."""
-    reqs = prefix_workload(8, prefix_len=32, num_prefixes=2, suffix_len=8, output_len=2, vocab_size=512, seed=0)
+    reqs = prefix_workload(
+        8, prefix_len=32, num_prefixes=2, suffix_len=8, output_len=2, vocab_size=512, seed=0
+    )
     on = Engine(weights.config.replace(max_num_batched_tokens=40), share_weights_with=weights)
     s_on = summarize(run_workload(on, reqs, [0.0] * 8, label="on", num_warmup=1))
-    assert (s_on["cached_tokens"], s_on["step_cached_tokens"], s_on["prompt_tokens"]) == (192, 192, 320)
+    assert (s_on["cached_tokens"], s_on["step_cached_tokens"], s_on["prompt_tokens"]) == (
+        192,
+        192,
+        320,
+    )
     assert s_on["cache_hit_rate"] == pytest.approx(0.6)
-    off = Engine(weights.config.replace(max_num_batched_tokens=40, enable_prefix_caching=False), share_weights_with=weights)
+    off = Engine(
+        weights.config.replace(max_num_batched_tokens=40, enable_prefix_caching=False),
+        share_weights_with=weights,
+    )
     s_off = summarize(run_workload(off, reqs, [0.0] * 8, label="off", num_warmup=1))
     assert (s_off["cached_tokens"], s_off["cache_hit_rate"]) == (0, 0.0)
     assert s_off["computed_tokens"] - s_on["computed_tokens"] == 192
@@ -240,7 +315,10 @@ def test_prefix_workload_cache_hits_are_counted(weights: Engine) -> None:
 
 def test_summary_figures(weights: Engine) -> None:
     reqs = [BenchRequest(f"q{i}", [10 + i] * (8 + i), 4 + 2 * i) for i in range(4)]
-    static = Engine(weights.config.replace(scheduling_policy="static", static_batch_size=2), share_weights_with=weights)
+    static = Engine(
+        weights.config.replace(scheduling_policy="static", static_batch_size=2),
+        share_weights_with=weights,
+    )
     run = run_workload(static, reqs, [0.0] * 4, label="static", num_warmup=2)
     s = summarize(run)
     assert [r.output_tokens for r in run.requests] == [4, 6, 8, 10]

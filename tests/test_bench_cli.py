@@ -19,18 +19,56 @@ from cbgen.bench.sharegpt import sample_sharegpt
 from cbgen.bench.workloads import poisson_arrivals
 
 TINY_LLAMA = dict(
-    model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048,
-    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, eos_token_id=2,
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    eos_token_id=2,
 )
 REQUIRED = (
-    "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
-    "tpot_p50_s", "queue_p99_s", "padding_waste", "num_preemptions", "wall_s",
-    "ttft_mean_s", "tpot_p99_s", "itl_p99_s", "queue_mean_s", "e2e_p50_s", "e2e_p99_s",
-    "slot_occupancy", "peak_kv_usage", "cache_hit_rate", "cached_tokens", "computed_tokens_per_s",
-    "decode_batch_mean", "decode_step_mean_s", "decode_tokens_per_s", "other_load",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "queue_p99_s",
+    "padding_waste",
+    "num_preemptions",
+    "wall_s",
+    "ttft_mean_s",
+    "tpot_p99_s",
+    "itl_p99_s",
+    "queue_mean_s",
+    "e2e_p50_s",
+    "e2e_p99_s",
+    "slot_occupancy",
+    "peak_kv_usage",
+    "cache_hit_rate",
+    "cached_tokens",
+    "computed_tokens_per_s",
+    "decode_batch_mean",
+    "decode_step_mean_s",
+    "decode_tokens_per_s",
+    "other_load",
 )
-COMMON = ["--num-threads", "1", "--kv-cache-memory", "16MiB", "--load-format", "dummy", "--num-warmup", "1"]
+COMMON = [
+    "--num-threads",
+    "1",
+    "--kv-cache-memory",
+    "16MiB",
+    "--load-format",
+    "dummy",
+    "--num-warmup",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +91,30 @@ def invoke(*args: str) -> Any:
     return result
 
 
-def test_bench_compare_sharegpt_writes_json_parquet_and_plot(model_dir: Path, tmp_path: Path) -> None:
+def test_bench_compare_sharegpt_writes_json_parquet_and_plot(
+    model_dir: Path, tmp_path: Path
+) -> None:
     js, pqt, png = tmp_path / "b.json", tmp_path / "b.parquet", tmp_path / "b.png"
     result = invoke(
-        "--model", str(model_dir), *COMMON, "--num-prompts", "8", "--max-output-len", "24",
-        "--compare", "static", "--static-batch-size", "4", "--seed", "3",
-        "--output-json", str(js), "--output-parquet", str(pqt), "--plot", str(png),
+        "--model",
+        str(model_dir),
+        *COMMON,
+        "--num-prompts",
+        "8",
+        "--max-output-len",
+        "24",
+        "--compare",
+        "static",
+        "--static-batch-size",
+        "4",
+        "--seed",
+        "3",
+        "--output-json",
+        str(js),
+        "--output-parquet",
+        str(pqt),
+        "--plot",
+        str(png),
     )
     assert "continuous / static" in result.output and "padding waste" in result.output
     doc = json.loads(js.read_text())
@@ -73,7 +129,8 @@ def test_bench_compare_sharegpt_writes_json_parquet_and_plot(model_dir: Path, tm
     assert doc["workload"]["name"] == "sharegpt" and doc["workload"]["chat_template"] is True
     assert doc["engine"]["config"]["static_batch_size"] == 4 and doc["engine"]["load_time_s"] > 0
     assert doc["ratios"]["continuous / static"]["output_tokens_per_s"] == pytest.approx(
-        doc["results"]["continuous"]["output_tokens_per_s"] / doc["results"]["static"]["output_tokens_per_s"]
+        doc["results"]["continuous"]["output_tokens_per_s"]
+        / doc["results"]["static"]["output_tokens_per_s"]
     )
 
     # The very requests the sampling rules give, each generating exactly its output length.
@@ -82,18 +139,29 @@ def test_bench_compare_sharegpt_writes_json_parquet_and_plot(model_dir: Path, tm
     tok = AutoTokenizer.from_pretrained(model_dir)
     expected = sample_sharegpt(
         lambda text: tok(
-            tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False),
+            tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            ),
             add_special_tokens=False,
         )["input_ids"],
         lambda text: len(tok(text, add_special_tokens=False)["input_ids"]),
-        8, 3, max_output_len=24,
+        8,
+        3,
+        max_output_len=24,
     )
     rows = pq.read_table(pqt).to_pylist()
     assert len(rows) == 16
     for policy in ("continuous", "static"):
-        got = [(r["id"], r["prompt_tokens"], r["output_len"], r["output_tokens"]) for r in rows if r["policy"] == policy]
+        got = [
+            (r["id"], r["prompt_tokens"], r["output_len"], r["output_tokens"])
+            for r in rows
+            if r["policy"] == policy
+        ]
         assert got == [(e.request_id, e.prompt_len, e.output_len, e.output_len) for e in expected]
-    assert all(r["finish_reason"] == "length" and r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] for r in rows)
+    assert all(
+        r["finish_reason"] == "length" and r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"]
+        for r in rows
+    )
     assert doc["results"]["static"]["output_tokens"] == sum(e.output_len for e in expected)
 
     data = png.read_bytes()
@@ -107,9 +175,27 @@ def test_bench_compare_sharegpt_writes_json_parquet_and_plot(model_dir: Path, tm
 def test_bench_request_rate_and_sweep(model_dir: Path, tmp_path: Path) -> None:
     js, pqt = tmp_path / "s.json", tmp_path / "s.parquet"
     invoke(
-        "--model", str(model_dir), *COMMON, "--workload", "random", "--num-prompts", "6",
-        "--input-len", "24", "--output-len", "4", "--request-rate", "40", "--seed", "7",
-        "--sweep", "max_num_seqs=1,4", "--output-json", str(js), "--output-parquet", str(pqt),
+        "--model",
+        str(model_dir),
+        *COMMON,
+        "--workload",
+        "random",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "24",
+        "--output-len",
+        "4",
+        "--request-rate",
+        "40",
+        "--seed",
+        "7",
+        "--sweep",
+        "max_num_seqs=1,4",
+        "--output-json",
+        str(js),
+        "--output-parquet",
+        str(pqt),
     )
     doc = json.loads(js.read_text())
     assert list(doc["results"]) == ["max_num_seqs=1", "max_num_seqs=4"]
@@ -128,7 +214,12 @@ def test_bench_request_rate_and_sweep(model_dir: Path, tmp_path: Path) -> None:
 def test_bench_rejects_bad_options(model_dir: Path) -> None:
     app = typer.Typer()
     app.command()(bench)
-    for args in (["--workload", "nope"], ["--policy", "batchy"], ["--workload", "file"], ["--sweep", "model=a"]):
+    for args in (
+        ["--workload", "nope"],
+        ["--policy", "batchy"],
+        ["--workload", "file"],
+        ["--sweep", "model=a"],
+    ):
         result = CliRunner().invoke(app, ["--model", str(model_dir), *COMMON, *args])
         assert result.exit_code == 2, args
         assert "error:" in result.output

@@ -117,7 +117,9 @@ def test_hash_block_is_stable_across_processes() -> None:
         "print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()
 
 
@@ -253,7 +255,9 @@ def test_equal_hash_of_different_tokens_is_not_shared(monkeypatch: pytest.Monkey
     assert refs(kv)[:4] == [1, 1, 1, 1]
 
 
-def test_equal_hash_of_equal_tokens_after_another_prefix_is_not_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_equal_hash_of_equal_tokens_after_another_prefix_is_not_shared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A hash that forgets the parent: block [5 6 7 8] after [1 2 3 4] and the same tokens at
     the start of a prompt collide; their K/V differ (other positions, other context)."""
 
@@ -341,7 +345,10 @@ def test_many_blocks_registered_in_one_step_keep_the_earlier_partial_sources() -
         r = make_request(f"r{i}", [1, 2, 3, 4, 5, 6, 100 + i, 200 + i, 0])
         admit(kv, r)
         computed(kv, r, 9)
-    assert len(kv.pool.children[kv.pool.blocks[kv.block_ids("first")[1]].parent_hash]) == kv.pool.MAX_CHILDREN
+    assert (
+        len(kv.pool.children[kv.pool.blocks[kv.block_ids("first")[1]].parent_hash])
+        == kv.pool.MAX_CHILDREN
+    )
     late = make_request("late", [1, 2, 3, 4, 5, 6, 7, 0])  # admitted in the same step
     hits, _ = kv.get_computed_blocks(late)
     block, j = kv.get_partial_block(late, hits)

@@ -49,7 +49,9 @@ def write_char_tokenizer(folder: Path, eos_token: str = "</s>") -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def model_dir(
+    tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama-chars")
     shutil.copytree(tiny_model_dir("llama"), folder, dirs_exist_ok=True)
     write_char_tokenizer(folder)
@@ -58,7 +60,14 @@ def model_dir(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.Te
 
 def make_engine(folder: Path, **overrides: Any) -> Engine:
     # one thread: two test workers share two cores
-    cfg = EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, kv_cache_memory=1 << 20, num_threads=1)
+    cfg = EngineConfig(
+        model=str(folder),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        kv_cache_memory=1 << 20,
+        num_threads=1,
+    )
     return Engine(cfg.replace(**overrides))
 
 
@@ -110,7 +119,9 @@ def test_invalid_sampling_params_raise_value_error_naming_the_field(name: str, v
 
 
 def test_valid_sampling_params_edge_values() -> None:
-    p = SamplingParams(top_k=-1, stop="###", stop_token_ids=(5, 6), min_tokens=16, max_tokens=16, seed=2**64 - 1)
+    p = SamplingParams(
+        top_k=-1, stop="###", stop_token_ids=(5, 6), min_tokens=16, max_tokens=16, seed=2**64 - 1
+    )
     assert (p.top_k, p.stop, p.stop_token_ids) == (0, ["###"], [5, 6])
     assert SamplingParams(temperature=0.0).greedy and SamplingParams(top_k=1).greedy
     assert not SamplingParams(temperature=0.5).greedy
@@ -153,23 +164,46 @@ def test_a_missing_model_is_a_value_error() -> None:
 # ---- bad input -----------------------------------------------------------------------
 
 
-def test_bad_prompts_get_an_error_and_do_not_disturb_the_others(model_dir: Path, engine: Engine) -> None:
-    engine = make_engine(model_dir, max_model_len=MAX_MODEL_LEN, kv_cache_memory=NUM_BLOCKS * engine.kv_bytes_per_block)
+def test_bad_prompts_get_an_error_and_do_not_disturb_the_others(
+    model_dir: Path, engine: Engine
+) -> None:
+    engine = make_engine(
+        model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory=NUM_BLOCKS * engine.kv_bytes_per_block,
+    )
     assert engine.num_blocks == NUM_BLOCKS
     good = [PROMPT, "hello, world"]
     expected = [greedy(engine, p, max_tokens=8).output_token_ids for p in good]
     cases: list[tuple[Any, SamplingParams, str]] = [
         ([], GREEDY, r"^prompt: is empty$"),
         ("", GREEDY, r"^prompt: is empty$"),
-        (list(range(5, 70)), GREEDY, r"^prompt: 65 tokens is longer than the 64 this engine allows"),
-        (list(range(5, 45)), GREEDY.replace(max_tokens=30), r"^max_tokens: prompt \(40 tokens\) \+ max_tokens \(30\) exceeds max_model_len \(64\)"),
-        (list(range(5, 25)), GREEDY.replace(max_tokens=20), r"^max_tokens: prompt \+ max_tokens needs 10 KV blocks, the cache has 8"),
+        (
+            list(range(5, 70)),
+            GREEDY,
+            r"^prompt: 65 tokens is longer than the 64 this engine allows",
+        ),
+        (
+            list(range(5, 45)),
+            GREEDY.replace(max_tokens=30),
+            r"^max_tokens: prompt \(40 tokens\) \+ max_tokens \(30\) exceeds max_model_len \(64\)",
+        ),
+        (
+            list(range(5, 25)),
+            GREEDY.replace(max_tokens=20),
+            r"^max_tokens: prompt \+ max_tokens needs 10 KV blocks, the cache has 8",
+        ),
         ([5, 256, 7], GREEDY, r"^prompt: token id 256 is outside the vocabulary \[0, 256\)"),
         ([5, -1], GREEDY, r"^prompt: token id -1 is outside the vocabulary"),
         ([5, 6.0], GREEDY, r"^prompt: token id 6.0 is outside the vocabulary"),
     ]
     prompts = [good[0], *[c[0] for c in cases[:4]], good[1], *[c[0] for c in cases[4:]]]
-    params = [GREEDY.replace(max_tokens=8), *[c[1] for c in cases[:4]], GREEDY.replace(max_tokens=8), *[c[1] for c in cases[4:]]]
+    params = [
+        GREEDY.replace(max_tokens=8),
+        *[c[1] for c in cases[:4]],
+        GREEDY.replace(max_tokens=8),
+        *[c[1] for c in cases[4:]],
+    ]
     outs = LLM(engine=engine).generate(prompts, params)
     assert len(outs) == len(prompts)
     good_outs = [outs[0], outs[5]]
@@ -185,16 +219,26 @@ def test_bad_prompts_get_an_error_and_do_not_disturb_the_others(model_dir: Path,
 
 def test_add_request_rejects_without_changing_the_engine(engine: Engine) -> None:
     engine.add_request("kept", PROMPT, GREEDY.replace(max_tokens=2))
-    before = (engine.num_unfinished_requests, set(engine.scheduler.requests), set(engine.runner.infos))
+    before = (
+        engine.num_unfinished_requests,
+        set(engine.scheduler.requests),
+        set(engine.runner.infos),
+    )
     with pytest.raises(ValueError, match=r"^prompt: is empty"):
         engine.add_request("empty", [], GREEDY)
     with pytest.raises(ValueError, match="already in the engine"):
         engine.add_request("kept", PROMPT, GREEDY)
-    assert (engine.num_unfinished_requests, set(engine.scheduler.requests), set(engine.runner.infos)) == before
+    assert (
+        engine.num_unfinished_requests,
+        set(engine.scheduler.requests),
+        set(engine.runner.infos),
+    ) == before
     finished = []
     while engine.has_unfinished_requests():
         finished += engine.step().finished
-    assert [(o.request_id, o.finish_reason, len(o.output_token_ids)) for o in finished] == [("kept", "length", 2)]
+    assert [(o.request_id, o.finish_reason, len(o.output_token_ids)) for o in finished] == [
+        ("kept", "length", 2)
+    ]
 
 
 def test_generate_checks_the_number_of_sampling_params(engine: Engine) -> None:
@@ -236,9 +280,17 @@ def test_stop_strings_end_generation_and_are_left_out_of_the_text(engine: Engine
 def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(engine: Engine) -> None:
     free = greedy(engine, PROMPT)
     stop = engine.tokenizer.decode(free.output_token_ids[4:6], skip_special_tokens=True)
-    n = next(i for i in range(1, 17) if stop in engine.tokenizer.decode(free.output_token_ids[:i], skip_special_tokens=True))
+    n = next(
+        i
+        for i in range(1, 17)
+        if stop in engine.tokenizer.decode(free.output_token_ids[:i], skip_special_tokens=True)
+    )
     out = greedy(engine, PROMPT, stop=[stop], max_tokens=n)
-    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, free.text[: free.text.index(stop)])
+    assert (out.finish_reason, out.stop_reason, out.text) == (
+        "stop",
+        stop,
+        free.text[: free.text.index(stop)],
+    )
 
 
 def test_stop_strings_wait_for_min_tokens(engine: Engine) -> None:
@@ -250,7 +302,11 @@ def test_stop_strings_wait_for_min_tokens(engine: Engine) -> None:
 
 def test_a_prompt_of_the_wrong_type_is_an_error_result(engine: Engine) -> None:
     outs = LLM(engine=engine).generate([None, PROMPT], GREEDY)  # type: ignore[list-item]
-    assert outs[0].finish_reason == "error" and outs[0].error is not None and outs[0].error.startswith("prompt:")
+    assert (
+        outs[0].finish_reason == "error"
+        and outs[0].error is not None
+        and outs[0].error.startswith("prompt:")
+    )
     assert outs[1].finish_reason == "length"
 
 
@@ -275,7 +331,9 @@ class HFGreedy:
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
-    def __call__(self, prompt: list[int], stop_ids: set[int], min_tokens: int, max_tokens: int = 16) -> list[int]:
+    def __call__(
+        self, prompt: list[int], stop_ids: set[int], min_tokens: int, max_tokens: int = 16
+    ) -> list[int]:
         ids, out = list(prompt), []
         with torch.no_grad():
             while len(out) < max_tokens:
@@ -310,7 +368,11 @@ def test_eos_ignore_eos_and_min_tokens(engine: Engine, tmp_path: Path) -> None:
     eos_engine = make_engine(folder)
     assert eos_engine.eos_token_id == eos
     stops = greedy(eos_engine, PROMPT, ignore_eos=False)
-    assert (stops.output_token_ids, stops.finish_reason, stops.stop_reason) == (tokens[:min_tokens], "stop", None)
+    assert (stops.output_token_ids, stops.finish_reason, stops.stop_reason) == (
+        tokens[:min_tokens],
+        "stop",
+        None,
+    )
     # ignore_eos: generation goes on past EOS, which is not masked
     assert greedy(eos_engine, PROMPT, ignore_eos=True).output_token_ids == tokens
     held = greedy(eos_engine, PROMPT, ignore_eos=False, min_tokens=min_tokens)
@@ -321,7 +383,9 @@ def test_eos_ignore_eos_and_min_tokens(engine: Engine, tmp_path: Path) -> None:
     assert (same.output_token_ids, same.finish_reason, same.stop_reason) == (want, "stop", eos)
 
 
-def test_a_cpu_kv_cache_larger_than_the_machine_is_refused(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_a_cpu_kv_cache_larger_than_the_machine_is_refused(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
     """The CPU cache is mapped lazily, so an impossible size must fail at start-up, not when
     its blocks fill up mid-run."""
     import psutil
@@ -330,6 +394,10 @@ def test_a_cpu_kv_cache_larger_than_the_machine_is_refused(tiny_model_dir: Calla
     with pytest.raises(ValueError, match=r"^kv_cache_memory: .* GiB is more than this machine's"):
         Engine(
             EngineConfig(
-                model=str(tiny_model_dir("llama")), device="cpu", dtype="float32", kv_cache_memory=too_big, num_threads=1
+                model=str(tiny_model_dir("llama")),
+                device="cpu",
+                dtype="float32",
+                kv_cache_memory=too_big,
+                num_threads=1,
             )
         )

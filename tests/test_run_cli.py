@@ -601,6 +601,7 @@ def test_sigterm_flushes_and_says_how_to_resume_and_status_lines(
     src = _many_rows(tmp_path / "t.jsonl", 240)
     args = ["run", str(src), *tiny(chat_model, "--max-num-seqs", "4", "--log-interval", "0.1")]
     r = Running(args)
+
     # mid-run, with a few status lines out (the tiny model can reach 20 rows within 0.2 s), the
     # last of them after the background count of the input's rows
     def ready() -> bool:

@@ -42,17 +42,26 @@ def _encoder(engine: Engine, chat_template: bool | None) -> tuple[Encode, bool]:
     return encode, use_template
 
 
-def build_workload(engine: Engine, name: str, o: dict[str, Any]) -> tuple[list[BenchRequest], dict[str, Any]]:
+def build_workload(
+    engine: Engine, name: str, o: dict[str, Any]
+) -> tuple[list[BenchRequest], dict[str, Any]]:
     """The requests and a description of how they were made."""
     vocab = engine.model_config.vocab_size
-    info: dict[str, Any] = {"name": name, "num_prompts": o["num_prompts"], "seed": o["seed"], "request_rate": o.get("request_rate")}
+    info: dict[str, Any] = {
+        "name": name,
+        "num_prompts": o["num_prompts"],
+        "seed": o["seed"],
+        "request_rate": o.get("request_rate"),
+    }
     encode, use_template = _encoder(engine, o.get("chat_template"))
     if name in ("sharegpt", "file"):
         info["chat_template"] = use_template
     if name == "sharegpt":
         tok = engine.tokenizer
         if tok is None:
-            raise ValueError("workload sharegpt: this model has no tokenizer (try --workload random)")
+            raise ValueError(
+                "workload sharegpt: this model has no tokenizer (try --workload random)"
+            )
         max_total = min(DEFAULT_MAX_TOTAL_LEN, engine.max_model_len)
         requests = sample_sharegpt(
             encode,
@@ -64,21 +73,40 @@ def build_workload(engine: Engine, name: str, o: dict[str, Any]) -> tuple[list[B
             max_total_len=max_total,
             path=o.get("dataset_path"),
         )
-        info.update(max_prompt_len=o["max_prompt_len"], max_output_len=o.get("max_output_len"), max_total_len=max_total)
+        info.update(
+            max_prompt_len=o["max_prompt_len"],
+            max_output_len=o.get("max_output_len"),
+            max_total_len=max_total,
+        )
         if len(requests) < o["num_prompts"]:
-            raise ValueError(f"num_prompts: only {len(requests)} ShareGPT pairs pass the length rules")
+            raise ValueError(
+                f"num_prompts: only {len(requests)} ShareGPT pairs pass the length rules"
+            )
     elif name == "file":
         requests = file_workload(o["dataset_path"], encode, o["num_prompts"])
         info["dataset_path"] = o["dataset_path"]
     elif name == "random":
-        requests = random_workload(o["num_prompts"], o["input_len"], o["output_len"], o["range_ratio"], vocab, o["seed"])
-        info.update(input_len=o["input_len"], output_len=o["output_len"], range_ratio=o["range_ratio"])
-    elif name == "prefix":
-        requests = prefix_workload(
-            o["num_prompts"], o["prefix_len"], o["num_prefixes"], o["suffix_len"], o["output_len"], vocab, o["seed"]
+        requests = random_workload(
+            o["num_prompts"], o["input_len"], o["output_len"], o["range_ratio"], vocab, o["seed"]
         )
         info.update(
-            prefix_len=o["prefix_len"], num_prefixes=o["num_prefixes"], suffix_len=o["suffix_len"], output_len=o["output_len"]
+            input_len=o["input_len"], output_len=o["output_len"], range_ratio=o["range_ratio"]
+        )
+    elif name == "prefix":
+        requests = prefix_workload(
+            o["num_prompts"],
+            o["prefix_len"],
+            o["num_prefixes"],
+            o["suffix_len"],
+            o["output_len"],
+            vocab,
+            o["seed"],
+        )
+        info.update(
+            prefix_len=o["prefix_len"],
+            num_prefixes=o["num_prefixes"],
+            suffix_len=o["suffix_len"],
+            output_len=o["output_len"],
         )
     else:
         raise ValueError(f"workload: unknown {name!r}")

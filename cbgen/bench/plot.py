@@ -1,9 +1,9 @@
 """The picture that explains continuous batching at a glance (matplotlib, the bench extra).
 
-    left:  slots in use over time, one line per run: continuous batching keeps its slots
-           full as requests come and go; a static batch drains (its members finish one by
-           one but hold their slots) before the next one starts
-    right: the distribution of time to first token (empirical CDF), one line per run
+left:  slots in use over time, one line per run: continuous batching keeps its slots
+       full as requests come and go; a static batch drains (its members finish one by
+       one but hold their slots) before the next one starts
+right: the distribution of time to first token (empirical CDF), one line per run
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def write_plot(path: str | Path, runs: Sequence[RunResult], title: str = "") -> 
         ax_slots.axhline(run.slots, color=line.get_color(), ls=":", lw=0.8)
         ttft = sorted(r.ttft_s for r in run.requests if r.ttft_s is not None)
         if ttft:
-            ax_ttft.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=run.label)
+            ax_ttft.step(
+                ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=run.label
+            )
     ax_slots.set_xlabel("time since start (s)")
     ax_slots.set_ylabel("requests in slots")
     ax_slots.set_title("slots in use")

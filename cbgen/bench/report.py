@@ -44,7 +44,9 @@ def summarize(run: RunResult) -> Summary:
     padding = run.padding
     # Decode-only steps (no prompt token in them): the per-token cost at the batch size the
     # policy runs, the figure that says whether larger batches are cheaper on this hardware.
-    decode_steps = [st for st in run.steps if st.num_prefill_tokens == 0 and st.num_decode_tokens > 0]
+    decode_steps = [
+        st for st in run.steps if st.num_prefill_tokens == 0 and st.num_decode_tokens > 0
+    ]
     decode_time = sum(st.duration_s for st in decode_steps)
     return {
         "policy": run.policy,
@@ -75,7 +77,9 @@ def summarize(run: RunResult) -> Summary:
         "decode_steps": len(decode_steps),
         "decode_batch_mean": _mean([st.num_decode_tokens for st in decode_steps]),
         "decode_step_mean_s": decode_time / len(decode_steps) if decode_steps else math.nan,
-        "decode_tokens_per_s": sum(st.num_decode_tokens for st in decode_steps) / decode_time if decode_time > 0 else math.nan,
+        "decode_tokens_per_s": sum(st.num_decode_tokens for st in decode_steps) / decode_time
+        if decode_time > 0
+        else math.nan,
         "pad_tokens": padding.num_pad_tokens if padding else 0,
         "discarded_tokens": padding.num_discarded_tokens if padding else 0,
         "padding_waste": padding.waste if padding else 0.0,
@@ -119,7 +123,13 @@ def ratios(a: Summary, b: Summary) -> dict[str, float]:
     out = {}
     for k in RATIO_KEYS:
         x, y = a.get(k), b.get(k)
-        if isinstance(x, (int, float)) and isinstance(y, (int, float)) and math.isfinite(x) and math.isfinite(y) and y != 0:
+        if (
+            isinstance(x, (int, float))
+            and isinstance(y, (int, float))
+            and math.isfinite(x)
+            and math.isfinite(y)
+            and y != 0
+        ):
             out[k] = x / y
     return out
 
@@ -271,7 +281,16 @@ def write_parquet(path: str | Path, runs: Sequence[RunResult]) -> None:
             ("run", pa.string()),
             ("policy", pa.string()),
             ("id", pa.string()),
-            *((c, pa.int64()) for c in ("prompt_tokens", "output_len", "output_tokens", "cached_tokens", "num_preemptions")),
+            *(
+                (c, pa.int64())
+                for c in (
+                    "prompt_tokens",
+                    "output_len",
+                    "output_tokens",
+                    "cached_tokens",
+                    "num_preemptions",
+                )
+            ),
             ("finish_reason", pa.string()),
             ("error", pa.string()),
             *((c, pa.float64()) for c in PARQUET_COLUMNS[8:]),

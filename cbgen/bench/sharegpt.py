@@ -119,7 +119,11 @@ def sample_sharegpt(
     if max_output_len is not None and max_output_len < 1:
         raise ValueError(f"max_output_len: must be >= 1, got {max_output_len}")
     source = Path(path) if path is not None else default_dataset_path()
-    pairs = [(i, p) for i, record in enumerate(iter_records(source)) if (p := first_exchange(record)) is not None]
+    pairs = [
+        (i, p)
+        for i, record in enumerate(iter_records(source))
+        if (p := first_exchange(record)) is not None
+    ]
     random.Random(seed).shuffle(pairs)
     out: list[BenchRequest] = []
     for i, (prompt, reply) in pairs:

@@ -52,7 +52,9 @@ def random_workload(
     """Prompts of random token ids; input and output lengths each uniform in
     [len * (1 - range_ratio), len * (1 + range_ratio)]."""
     if input_len < 1 or output_len < 1:
-        raise ValueError(f"input_len and output_len: must be >= 1, got {input_len} and {output_len}")
+        raise ValueError(
+            f"input_len and output_len: must be >= 1, got {input_len} and {output_len}"
+        )
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio: must be in [0, 1), got {range_ratio}")
     rng = np.random.default_rng(seed)
@@ -79,11 +81,14 @@ def prefix_workload(
     if min(prefix_len, num_prefixes, suffix_len, output_len) < 1:
         raise ValueError("prefix_len, num_prefixes, suffix_len and output_len: must all be >= 1")
     rng = np.random.default_rng(seed)
-    prefixes = [[int(t) for t in rng.integers(0, vocab_size, size=prefix_len)] for _ in range(num_prefixes)]
+    prefixes = [
+        [int(t) for t in rng.integers(0, vocab_size, size=prefix_len)] for _ in range(num_prefixes)
+    ]
     return [
         BenchRequest(
             f"prefix-{i}",
-            prefixes[i % num_prefixes] + [int(t) for t in rng.integers(0, vocab_size, size=suffix_len)],
+            prefixes[i % num_prefixes]
+            + [int(t) for t in rng.integers(0, vocab_size, size=suffix_len)],
             output_len,
         )
         for i in range(num_prompts)
@@ -116,7 +121,9 @@ def _file_row(row: Any, encode: Encode, where: str, index: int) -> BenchRequest:
         raise ValueError(f"{where}: output_len must be an integer >= 1, got {output_len!r}")
     if "prompt_token_ids" in row:
         ids = row["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
             raise ValueError(f"{where}: prompt_token_ids must be a list of integers")
     elif isinstance(row.get("prompt"), (str, list)):
         ids = encode(row["prompt"])
