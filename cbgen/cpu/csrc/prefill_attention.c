@@ -177,8 +177,8 @@ int cbgen_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
  * in all goes to the decode kernel, one token at a time (a call of this kernel costs about as much
  * as 8k such rows with AVX-512); a larger one to this kernel where cbgen_prefill_kernel_preferred(),
  * else to torch's SDPA. Without AVX-512 the 8-row x 32-key score tile and the P x V tiles need twice
- * the 16 vector registers of AVX2 and spill: on a Zen 3 this kernel measured 5-10x slower than the
- * decode kernel and SDPA, which cross over near 24k rows. */
+ * the 16 vector registers of AVX2 and spill: on an AVX2-only EPYC this kernel measured 5-25x slower than the
+ * decode kernel and up to 17x slower than SDPA, which the decode kernel crosses near 24k rows. */
 #if defined(__AVX2__) && !defined(__AVX512F__)
 int64_t cbgen_native_prefill_rows(void) { return 24576; }
 int cbgen_prefill_kernel_preferred(void) { return 0; }

@@ -18,12 +18,12 @@
  * Threads split the panels.
  *
  * Without AVX-512 (AVX2 + FMA: 16 registers of 8 floats) that tile would need 64 accumulators, and
- * GCC spills nearly every FMA to the stack (1.6 GFLOP/s on a Zen 3, 30-40x slower than oneDNN). There
- * a register tile is up to 6 rows x 16 columns, half a panel: twelve accumulators, two panel
- * vectors and a broadcast fill 15 of the 16 registers (the shape of the AVX2 kernels of BLIS and
- * oneDNN). A row tile runs over both halves of a panel while its rows are in L1. Measured on a
- * Zen 3 in docs/PERFORMANCE.md, "AVX2 (Zen 3)". The vector width and the tile are chosen by the
- * ISA macros at compile time; the panels are the same on every ISA, and the AVX-512 kernels compile
+ * GCC spills nearly every FMA to the stack (1.6 GFLOP/s on an AVX2-only EPYC, 30-40x slower than
+ * oneDNN). There a register tile is up to 6 rows x 16 columns, half a panel: twelve accumulators,
+ * two panel vectors and a broadcast fill 15 of the 16 registers (the shape of the AVX2 kernels of
+ * BLIS and oneDNN). A row tile runs over both halves of a panel while its rows are in L1. Measured
+ * in docs/PERFORMANCE.md, "AVX2 (Zen 3)". The vector width and the tile are chosen by the ISA
+ * macros at compile time; the panels are the same on every ISA, and the AVX-512 kernels compile
  * to the same machine code as before the AVX2 tile existed.
  *
  * Each output is one sum over k in order, whatever M is: a row's result does not depend on the
