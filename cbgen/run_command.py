@@ -9,13 +9,15 @@ CUDA_VISIBLE_DEVICES) are read here and nowhere below. The work itself is cbgen.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
 if TYPE_CHECKING:
-    from cbgen.io.rows import Shard
+    from cbgen.io.rows import ChatDefaults, Shard
 
 from cbgen.cli_options import (
     NO_ENGINE_OPTIONS,
@@ -28,6 +30,7 @@ from cbgen.cli_options import (
 from cbgen.config import DEFAULT_MODEL, EngineConfig
 
 IO_PANEL = "Input and output"
+CHAT_PANEL = "Chat (rows with messages)"
 RUN_PANEL = "Run"
 
 
@@ -83,6 +86,23 @@ def run(
             help="Delete an existing output and its partial results first, instead of resuming.",
         ),
     ] = False,
+    # ---- chat ----------------------------------------------------------------------------
+    chat_template: Annotated[
+        str | None,
+        typer.Option(
+            rich_help_panel=CHAT_PANEL,
+            show_default="the model's own",
+            help="A Jinja chat template file for `messages` rows, instead of the model's.",
+        ),
+    ] = None,
+    chat_template_kwargs: Annotated[
+        str | None,
+        typer.Option(
+            rich_help_panel=CHAT_PANEL,
+            show_default="none",
+            help="JSON object of template variables, e.g. '{\"enable_thinking\": false}'; a row's own chat_template_kwargs add to and override them.",
+        ),
+    ] = None,
     # ---- run -----------------------------------------------------------------------------
     shard: Annotated[
         str | None,
@@ -161,6 +181,7 @@ def run(
         defaults = sampling.params()
         the_shard = _resolve_shard(shard, display)
         keep = tuple(c.strip() for item in keep_columns or [] for c in item.split(",") if c.strip())
+        chat = _chat_defaults(chat_template, chat_template_kwargs)
         layout = OutputLayout.build(input, output, the_shard)
     except ValueError as e:
         _fail(str(e), EXIT_USAGE)
@@ -175,6 +196,8 @@ def run(
         "engine": config.to_dict(),
         "sampling_defaults": dataclasses.asdict(defaults),
         "max_error_rate": max_error_rate,
+        "chat_template": chat_template,
+        "chat_template_kwargs": chat.kwargs,
     }
     plan = RunPlan(
         input_path=input,
@@ -186,6 +209,7 @@ def run(
         data_parallel_size=data_parallel_size,
         max_error_rate=max_error_rate,
         overwrite=overwrite,
+        chat=chat,
         gpu_ids=_gpu_ids(config, data_parallel_size),
         settings=settings,
     )
@@ -211,6 +235,29 @@ def run(
     finally:
         restore()
     raise typer.Exit(code)
+
+
+def _chat_defaults(template_file: str | None, kwargs_json: str | None) -> ChatDefaults:
+    """ValueError naming the option when the file cannot be read or the JSON is no object."""
+    from cbgen.io.rows import ChatDefaults
+
+    template = None
+    if template_file is not None:
+        try:
+            template = Path(template_file).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {template_file}: {e}") from None
+    kwargs: Any = {}
+    if kwargs_json is not None:
+        try:
+            kwargs = json.loads(kwargs_json)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"--chat-template-kwargs: not valid JSON ({e.msg}, column {e.colno})"
+            ) from None
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"--chat-template-kwargs: must be a JSON object, got {kwargs_json!r}")
+    return ChatDefaults(template, kwargs)
 
 
 def _resolve_shard(text: str | None, display: Any) -> Shard | None:

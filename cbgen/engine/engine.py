@@ -229,11 +229,36 @@ class Engine:
             raise ValueError("this model has no tokenizer: give prompts as token ids")
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template: give a plain prompt")
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The chat's token ids through the model's chat template (or `chat_template`, a Jinja
+        text), as transformers renders it; template_kwargs reach the template (for example
+        enable_thinking). continue_final_message leaves the last (assistant) message open."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: give prompts as token ids")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "this model has no chat template: give a plain prompt or --chat-template"
+            )
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message: cannot be combined with add_generation_prompt "
+                "(set add_generation_prompt to false)"
+            )
         text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
+            list(messages),
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

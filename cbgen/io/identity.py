@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cbgen.config import EngineConfig, SamplingParams
-from cbgen.io.rows import ColumnSpec
+from cbgen.io.rows import ChatDefaults, ColumnSpec
 
 SETTINGS_FILE = "settings.json"
 METADATA_KEY = b"cbgen.settings"
@@ -82,9 +82,16 @@ def run_identity(
     defaults: SamplingParams,
     model_kind: str,
     model_path: str,
+    chat: ChatDefaults | None = None,
 ) -> dict[str, Any]:
     """Every setting that changes what a row's output is, as plain JSON values."""
+    chat = chat or ChatDefaults()
+    template = chat.template
     return {
+        "chat_template": None
+        if template is None
+        else hashlib.sha256(template.encode()).hexdigest()[:16],
+        "chat_template_kwargs": chat.kwargs,
         "model": config.model or model_path,
         "model_files": model_digest(model_kind, model_path),
         "load_format": config.load_format,
@@ -111,6 +118,8 @@ _LABELS = {
     "prompt_column": "--prompt-column",
     "id_column": "--id-column",
     "keep_columns": "--keep-columns",
+    "chat_template": "--chat-template (its text)",
+    "chat_template_kwargs": "--chat-template-kwargs",
 }
 _SHOWN_WITH = {"model_files": "model", "input_file": "input"}
 _NOT_COMPARED = set(_SHOWN_WITH.values())

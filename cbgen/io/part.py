@@ -11,7 +11,7 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.display import Display, ProgressSnapshot
 from cbgen.io.pipeline import GenerationLoop, ProgressTracker, StopFlag, count_rows_in_background
 from cbgen.io.readers import open_source
-from cbgen.io.rows import ColumnSpec, RowFilter
+from cbgen.io.rows import ChatDefaults, ColumnSpec, RowFilter
 from cbgen.io.schema import output_schema
 from cbgen.io.writer import OutputLayout, StagingWriter, load_done_keys, staging_tag
 
@@ -30,6 +30,7 @@ class RunPlan:
     max_error_rate: float | None = None
     """Exit 3 above this fraction of failed rows; None: only when every row failed."""
     overwrite: bool = False
+    chat: ChatDefaults = field(default_factory=ChatDefaults)
     gpu_ids: tuple[str, ...] = ()
     """Devices for data-parallel workers on CUDA (worker k gets gpu_ids[k]); empty on the CPU."""
     settings: dict[str, Any] = field(default_factory=dict)
@@ -76,6 +77,7 @@ def generate_part(
         stop,
         on_progress=on_progress,
         input_may_block=source.may_block,
+        chat=plan.chat,
     )
     try:
         completed = loop.run()

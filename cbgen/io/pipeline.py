@@ -30,7 +30,7 @@ from cbgen.config import SamplingParams
 from cbgen.display import Display, ProgressSnapshot
 from cbgen.engine.outputs import RequestOutput, StepStats
 from cbgen.io.readers import InputSource
-from cbgen.io.rows import InputRow, RowError, RowFilter, make_params
+from cbgen.io.rows import ChatDefaults, InputRow, RowError, RowFilter, make_params
 from cbgen.io.schema import error_record, ok_record
 from cbgen.io.writer import KeySet, StagingWriter, row_key
 
@@ -275,6 +275,7 @@ class GenerationLoop:
         queue_depth: int | None = None,
         on_progress: Callable[[ProgressSnapshot], None] | None = None,
         input_may_block: bool = False,
+        chat: ChatDefaults | None = None,
     ) -> None:
         """input_may_block: reading the next row may wait for a writer (stdin): rows are read
         ahead by a thread, and finished rows are flushed whenever the engine runs dry."""
@@ -284,6 +285,7 @@ class GenerationLoop:
         self.tracker = tracker
         self.display = display
         self.defaults = defaults
+        self.chat = chat or ChatDefaults()
         self.done = done
         self.stop = stop
         # Enough waiting requests to refill every slot that frees in a step, no more.
@@ -418,7 +420,9 @@ class GenerationLoop:
     def _tokens(self, row: InputRow) -> list[int]:
         try:
             if row.messages is not None:
-                return self.engine.apply_chat_template(row.messages)
+                return self.engine.apply_chat_template(
+                    row.messages, **self.chat.render_options(row.chat)
+                )
             if isinstance(row.prompt, str):
                 return self.engine.tokenize(row.prompt)
         except Exception as e:  # a chat template may raise anything (jinja errors included)

@@ -27,6 +27,8 @@ OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 # OpenAI body fields with another name here.
 OPENAI_ALIASES = {"max_completion_tokens": "max_tokens"}
 SAMPLING_FIELDS = frozenset(SamplingParams.field_names())
+# Chat options a row may give (vLLM's names), for its messages.
+CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 # OpenAI's `logprobs: true` + `top_logprobs: k`; vLLM's `logprobs: k` is a sampling field.
 LOGPROB_FIELDS = frozenset({"top_logprobs"})
 # OpenAI body fields that change nothing in an offline batch: accepted and ignored.
@@ -64,9 +66,6 @@ UNSUPPORTED_FEATURES = frozenset(
         "bad_words",
         "allowed_token_ids",
         "chat_template",
-        "chat_template_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
         "echo",
         "suffix",
         "best_of",
@@ -109,6 +108,26 @@ class ColumnSpec:
 
 
 @dataclass(frozen=True)
+class ChatDefaults:
+    """Run-wide chat options (--chat-template, --chat-template-kwargs); a row's own win."""
+
+    template: str | None = None
+    """A Jinja chat template used instead of the model's own."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables for the template (for example {"enable_thinking": false})."""
+
+    def render_options(self, row_chat: Mapping[str, Any]) -> dict[str, Any]:
+        """Keyword arguments of Engine.apply_chat_template for a row with these chat options."""
+        cont = bool(row_chat.get("continue_final_message", False))
+        return {
+            "chat_template": self.template,
+            "add_generation_prompt": bool(row_chat.get("add_generation_prompt", not cont)),
+            "continue_final_message": cont,
+            "template_kwargs": {**self.kwargs, **row_chat.get("chat_template_kwargs", {})},
+        }
+
+
+@dataclass(frozen=True)
 class InputRow:
     row: int
     """0-based index among the input's data rows (blank JSONL lines are not rows)."""
@@ -120,6 +139,9 @@ class InputRow:
     overrides: dict[str, Any] = field(default_factory=dict)
     """SamplingParams fields given by the row; validated when the params are built."""
     keep: dict[str, Any] = field(default_factory=dict)
+    chat: dict[str, Any] = field(default_factory=dict)
+    """The row's own chat options (CHAT_FIELDS): template kwargs, add_generation_prompt,
+    continue_final_message; they apply to `messages` only."""
     error: str | None = None
     """Set when the row is unusable: the message already starts with `where`."""
 
@@ -236,9 +258,10 @@ def parse_mapping(
         prompt, messages = _prompt_of(source, spec.prompt_column)
         _check_fields(source, openai, spec)
         overrides = _overrides(source, openai)
+        chat = _chat_options(source, messages is not None)
     except RowError as e:
         return InputRow(row, where, row_id, keep=keep, error=f"{where}: {e}")
-    return InputRow(row, where, row_id, prompt, messages, overrides, keep)
+    return InputRow(row, where, row_id, prompt, messages, overrides, keep, chat)
 
 
 def error_row(row: int, where: str, problem: str) -> InputRow:
@@ -347,6 +370,23 @@ def _content(value: Any, name: str) -> str:
     raise RowError(f"{name}: must be a string, got {_describe(value)}")
 
 
+def _chat_options(source: Mapping[str, Any], is_chat: bool) -> dict[str, Any]:
+    out = {k: source[k] for k in CHAT_FIELDS if source.get(k) is not None}
+    if not out:
+        return out
+    if not is_chat:
+        raise RowError(f"{next(iter(out))}: applies to chat rows (messages) only")
+    kwargs = out.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise RowError(f"chat_template_kwargs: must be an object, got {_describe(kwargs)}")
+    for name in ("add_generation_prompt", "continue_final_message"):
+        if not isinstance(out.get(name, False), bool):
+            raise RowError(f"{name}: must be true or false, got {_describe(out[name])}")
+    if out.get("continue_final_message") and out.get("add_generation_prompt", False):
+        raise RowError("continue_final_message: cannot be combined with add_generation_prompt")
+    return out
+
+
 def _check_fields(source: Mapping[str, Any], openai: bool, spec: ColumnSpec) -> None:
     """An OpenAI body may hold only what cbgen implements or what has no effect; any row may
     not ask for a feature cbgen does not implement."""
@@ -361,6 +401,7 @@ def _check_fields(source: Mapping[str, Any], openai: bool, spec: ColumnSpec) -> 
             name in SAMPLING_FIELDS
             or name in LOGPROB_FIELDS
             or name in OPENAI_ALIASES
+            or name in CHAT_FIELDS
             or name in OPENAI_NO_EFFECT
             or name in OPENAI_URLS.values()
         ):

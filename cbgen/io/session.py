@@ -104,6 +104,7 @@ def _locked_run(
             plan.defaults,
             model.kind,
             model.path,
+            plan.chat,
         )
         _check_settings(layout, run_id)
         settings_file = layout.staging / identity.SETTINGS_FILE
