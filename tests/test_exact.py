@@ -152,6 +152,8 @@ def test_smollm2_long_prompts_through_the_prefill_kernel_match_transformers(
         return kernel(query, key, value, scale)
 
     monkeypatch.setattr(kernels, "prefill_attention_f32", counting)
+    # the kernel even where the build prefers SDPA for long chunks (AVX2)
+    monkeypatch.setattr(kernels, "prefill_split", lambda: (8192, True))
     engine = smollm2_engine
     prompts = [
         engine.tokenize(LONG_TEXT + "In the logbook, Hale wrote that"),
