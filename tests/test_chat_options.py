@@ -103,3 +103,45 @@ def test_cbgen_run_renders_with_the_template_file_and_variables(
     assert "--chat-template-kwargs: must be a JSON object" in bad.stderr
     summary = json.loads((tmp_path / "c.out.summary.json").read_text())
     assert summary["chat_template_kwargs"] == {"shout": True}
+
+
+def test_a_thinking_models_reasoning_goes_to_its_own_column() -> None:
+    from cbgen.io.schema import split_reasoning
+
+    tags = ("<think>", "</think>")
+    assert split_reasoning("<think>\nadd 2 and 2\n</think>\n\nIt is 4.", tags) == (
+        "add 2 and 2",
+        "It is 4.",
+    )
+    # the template opened the block in the prompt: only the end tag was generated
+    assert split_reasoning("count the legs</think>Four.", tags) == ("count the legs", "Four.")
+    # cut off while thinking, or a model without tags: all answer, as generated
+    assert split_reasoning("<think>still going", tags) == (None, "<think>still going")
+    assert split_reasoning("a </think> b", None) == (None, "a </think> b")
+
+
+def test_thinking_models_are_recognised_by_their_tokens(tmp_path: Path, chat_model: Path) -> None:
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from cbgen.engine.engine import Engine
+
+    def engine(folder: Path) -> Engine:
+        return Engine(
+            model=str(folder),
+            load_format="dummy",
+            device="cpu",
+            kv_cache_memory=4 << 20,
+            num_threads=1,
+        )
+
+    assert engine(chat_model).reasoning_tags() is None
+    thinking = tmp_path / "thinking"
+    shutil.copytree(chat_model, thinking)
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    tok.add_tokens(["<think>", "</think>"], special_tokens=False)
+    tok.save_pretrained(thinking)
+    config = json.loads((thinking / "config.json").read_text())
+    (thinking / "config.json").write_text(json.dumps(dict(config, vocab_size=len(tok))))
+    assert engine(thinking).reasoning_tags() == ("<think>", "</think>")

@@ -53,6 +53,7 @@ BASE_COLUMNS = [
     "prompt_tokens",
     "cached_tokens",
     "completion",
+    "reasoning",
     "completion_tokens",
     "finish_reason",
     "stop_reason",

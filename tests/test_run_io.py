@@ -540,6 +540,9 @@ def test_params_cache_tells_types_apart(tmp_path: Path) -> None:
         class config:  # stands in for EngineConfig
             max_num_seqs = 4
 
+        def reasoning_tags(self) -> None:
+            return None
+
     layout = _layout(tmp_path)
     loop = GenerationLoop(
         NoEngine(),

@@ -229,6 +229,15 @@ class Engine:
             raise ValueError("this model has no tokenizer: give prompts as token ids")
         return list(self.tokenizer(prompt)["input_ids"])
 
+    def reasoning_tags(self) -> tuple[str, str] | None:
+        """('<think>', '</think>') when the tokenizer has both as tokens of their own (a
+        thinking model: Qwen3, DeepSeek-R1 and their kind), else None."""
+        if self.tokenizer is None:
+            return None
+        vocab = self.tokenizer.get_vocab()
+        tags = ("<think>", "</think>")
+        return tags if all(t in vocab for t in tags) else None
+
     def apply_chat_template(
         self,
         messages: Sequence[dict[str, str]],

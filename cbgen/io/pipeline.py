@@ -286,6 +286,7 @@ class GenerationLoop:
         self.display = display
         self.defaults = defaults
         self.chat = chat or ChatDefaults()
+        self.reasoning_tags = engine.reasoning_tags()
         self.done = done
         self.stop = stop
         # Enough waiting requests to refill every slot that frees in a step, no more.
@@ -445,7 +446,7 @@ class GenerationLoop:
     def _finish(self, out: RequestOutput) -> None:
         flight = self.inflight.pop(out.request_id)
         if out.finish_reason in ("stop", "length"):
-            self.writer.add(ok_record(flight.row, flight.sample_index, out))
+            self.writer.add(ok_record(flight.row, flight.sample_index, out, self.reasoning_tags))
             self.tracker.on_sample(out)
         else:
             message = out.error or f"the engine ended the request with {out.finish_reason!r}"

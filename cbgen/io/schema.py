@@ -1,13 +1,16 @@
 """The output table: one row per (input row, sample), failed rows included.
 
-    id | row | sample_index | prompt_tokens | cached_tokens | completion | completion_tokens |
+    id | row | sample_index | prompt_tokens | cached_tokens | completion | reasoning |
+    completion_tokens |
     finish_reason | stop_reason | error | queue_s | ttft_s | tpot_s | itl_p50_s | itl_p99_s |
     itl_max_s | e2e_s | num_preemptions | cumulative_logprob | logprobs | prompt_logprobs |
     <pass-through columns>
 
 Latencies are seconds on one monotonic clock (time.perf_counter), measured from the moment
 the request entered the engine; for a successful row 0 <= queue_s <= ttft_s <= e2e_s.
-The logprob columns are null unless the row asked for them.
+The logprob columns are null unless the row asked for them. `reasoning` holds a thinking
+model's reasoning (the text before its end tag, e.g. </think>), and `completion` the answer
+after it; null for models without reasoning tags and for completions without the end tag.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ BASE_FIELDS: tuple[pa.Field, ...] = (
     pa.field("prompt_tokens", pa.int32()),
     pa.field("cached_tokens", pa.int32()),
     pa.field("completion", pa.string()),
+    pa.field("reasoning", pa.string()),
     pa.field("completion_tokens", pa.int32()),
     pa.field("finish_reason", pa.string(), nullable=False),
     pa.field("stop_reason", pa.string()),
@@ -60,15 +64,34 @@ def output_schema(keep_types: Mapping[str, pa.DataType]) -> pa.Schema:
     return pa.schema([*BASE_FIELDS, *(pa.field(n, t) for n, t in keep_types.items())])
 
 
-def ok_record(row: InputRow, sample_index: int, out: RequestOutput) -> dict[str, Any]:
+def split_reasoning(text: str, tags: tuple[str, str] | None) -> tuple[str | None, str]:
+    """(reasoning, answer): what comes before the end tag (less a leading start tag; the chat
+    template may have put that in the prompt) and what follows it. Without the end tag the
+    text is all answer, as it was generated."""
+    if tags is None or tags[1] not in text:
+        return None, text
+    start, end = tags
+    reasoning, _, answer = text.partition(end)
+    reasoning = reasoning.strip()
+    return reasoning.removeprefix(start).strip(), answer.lstrip()
+
+
+def ok_record(
+    row: InputRow,
+    sample_index: int,
+    out: RequestOutput,
+    reasoning_tags: tuple[str, str] | None = None,
+) -> dict[str, Any]:
     m = out.metrics
+    reasoning, answer = split_reasoning(out.text, reasoning_tags)
     rec: dict[str, Any] = {
         "id": row.id,
         "row": row.row,
         "sample_index": sample_index,
         "prompt_tokens": out.num_prompt_tokens,
         "cached_tokens": out.num_cached_tokens,
-        "completion": out.text,
+        "completion": answer,
+        "reasoning": reasoning,
         "completion_tokens": out.num_output_tokens,
         "finish_reason": out.finish_reason,
         "stop_reason": None if out.stop_reason is None else str(out.stop_reason),
