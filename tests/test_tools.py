@@ -151,7 +151,7 @@ def test_share_of_peak_is_the_workloads_matmul_work_at_the_peak() -> None:
         [step(700, 0, 2, 1.0)], non_embedding_params=10, lm_head_params=5, max_num_seqs=2
     )
     gflop = compare_peers.workload_gflop(w, extra)
-    assert gflop == pytest.approx((1200 * 2 * 10 + 200 * 2 * 5) / 1e9)
+    assert gflop is not None and gflop == pytest.approx((1200 * 2 * 10 + 200 * 2 * 5) / 1e9)
     ceiling = compare_peers.ceiling_tokens_per_s(w, gflop, peak_gflops=1e-3)
     assert ceiling == pytest.approx(1200 * 1e-3 / gflop)
     assert compare_peers.workload_gflop(w, {}) is None  # no cbgen run, no parameter counts
