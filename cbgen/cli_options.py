@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import json
 import typing
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -104,10 +105,33 @@ class SamplingOptions:
     def params(self) -> SamplingParams:
         """The SamplingParams of these options; ValueError naming a bad option."""
         values: dict[str, Any] = dict(self.values)
-        for name in ("stop", "stop_token_ids"):  # repeatable: None when not given
-            if name in values:
-                values[name] = list(values[name] or [])
+        defaults = SamplingParams()
+        for name, value in self.values.items():
+            default = getattr(defaults, name)
+            if isinstance(default, list):  # repeatable: None when not given
+                values[name] = list(value or [])
+            elif _is_mapping(SAMPLING_HINTS[name]) and isinstance(value, str):
+                values[name] = _json_object(value, name)
         return SamplingParams(**values)
+
+
+SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
+
+
+def _is_mapping(hint: Any) -> bool:
+    """A dict field (or dict | None): given as JSON text on the command line."""
+    return any(typing.get_origin(t) is dict for t in (hint, *typing.get_args(hint)))
+
+
+def _json_object(text: str, name: str) -> dict[str, Any]:
+    flag = f"--{name.replace('_', '-')}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: must be a JSON object, got {text!r}")
+    return value
 
 
 NO_ENGINE_OPTIONS = EngineOptions({})
@@ -125,6 +149,8 @@ def _parameters(cls: type, exclude: Collection[str], panel: str) -> list[inspect
         if f.name in exclude:
             continue
         kind = CLI_TYPES.get(f.name, hints[f.name])
+        if _is_mapping(kind):
+            kind = str | None  # JSON text, parsed by the options' builder
         default = getattr(defaults, f.name)
         flag = f"--{f.name.replace('_', '-')}"
         decls = [f"{flag}/--no-{flag[2:]}"] if kind is bool else [flag]
@@ -145,7 +171,7 @@ def _parameters(cls: type, exclude: Collection[str], panel: str) -> list[inspect
             inspect.Parameter(
                 f.name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=default if f.name not in CLI_TYPES else None,
+                default=None if f.name in CLI_TYPES or _is_mapping(hints[f.name]) else default,
                 annotation=Annotated[kind, option],
             )
         )

@@ -35,8 +35,13 @@ class EngineConfig:
     """Every engine option, with its default. CLI options map one to one onto these fields."""
 
     model: str | None = None
-    """Local Hugging Face folder, GGUF file, built-in shape name (with load_format='dummy'),
-    or None for the default SmolLM2-135M-Instruct."""
+    """Local Hugging Face folder, GGUF file, Hub id (org/name, or org/name:file.gguf) from the
+    local cache or downloaded, built-in shape name (with load_format='dummy'), or None for the
+    default SmolLM2-135M-Instruct."""
+    revision: str | None = None
+    """Branch, tag or commit of a Hub id (default: main)."""
+    download_dir: str | None = None
+    """Hugging Face cache folder for Hub ids (default: the cache under HF_HOME)."""
     max_num_seqs: int = 64
     """Slots: the most requests running at once."""
     max_num_batched_tokens: int = 2048

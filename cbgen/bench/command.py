@@ -29,6 +29,8 @@ POLICIES = ("continuous", "static")
 _HOLDER_KV_BYTES = 64 << 20
 """KV cache of the engine that only holds the weights (the measured engines share them)."""
 _NOT_SWEEPABLE = {
+    "revision",
+    "download_dir",
     "model",
     "load_format",
     "device",

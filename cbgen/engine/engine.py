@@ -76,7 +76,9 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or len(psutil.Process().cpu_affinity() or [0]))
-        self.source = resolve_model(config.model, config.load_format)
+        self.source = resolve_model(
+            config.model, config.load_format, config.revision, config.download_dir
+        )
         self.model_config = load_model_config(self.source)
         mc = self.model_config
         limit = mc.max_position_embeddings
@@ -216,7 +218,9 @@ class Engine:
     def describe(self) -> str:
         tokens = self.num_blocks * self.config.block_size
         return (
-            f"model {self.source.name} ({self.model_config.model_type}, "
+            f"model {self.source.name}"
+            + ("" if self.source.commit is None else f"@{self.source.commit[:12]}")
+            + f" ({self.model_config.model_type}, "
             f"{self.model_config.num_parameters() / 1e6:.0f}M params) on {self.device} {str(self.dtype).removeprefix('torch.')}, "
             f"attention {self.backend.name}; KV cache {self.num_blocks} blocks x {self.config.block_size} "
             f"tokens = {tokens} tokens ({self.num_blocks * self.kv_bytes_per_block / GiB:.2f} GiB), "

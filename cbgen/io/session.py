@@ -96,7 +96,8 @@ def _locked_run(
         # comes after the cheap checks.
         from cbgen.models.loader import resolve_model
 
-        model = resolve_model(plan.engine_config.model, plan.engine_config.load_format)
+        ec = plan.engine_config
+        model = resolve_model(ec.model, ec.load_format, ec.revision, ec.download_dir)
         run_id = identity.run_identity(
             plan.input_path,
             plan.columns,
@@ -143,7 +144,7 @@ def _locked_run(
     finalize(layout, schema.with_metadata({identity.METADATA_KEY: json.dumps(run_id)}))
     stats = table_stats(layout.final)
     this_run = dict(result.stats, wall_s=time.perf_counter() - t0)
-    settings = dict(plan.settings, engine_description=result.describe)
+    settings = dict(plan.settings, engine_description=result.describe, model_commit=model.commit)
     summary = build_summary(layout.final, stats, this_run, settings)
     write_summary(layout.summary, summary)
     display.message(format_summary(summary))

@@ -35,6 +35,7 @@ from cbgen.cpu.ops import CPU_OPS
 from cbgen.models.config import BUILTIN_SHAPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from cbgen.models.errors import ModelFileError, one_line, read_json_object
 from cbgen.models.gguf_file import GGUFError, GGUFFile
+from cbgen.models.hub import HubError, parse_hub_id, resolve_hub, shard_files
 from cbgen.models.llama import CausalLM
 from cbgen.models.safetensors_file import check_safetensors
 from cbgen.models.triton_ops import TritonOps
@@ -52,6 +53,8 @@ class ModelSource:
     """hf | gguf | shape"""
     path: str
     name: str
+    commit: str | None = None
+    """The Hub commit a Hub id resolved to; None for a local path."""
 
     @property
     def tokenizer_source(self) -> ModelSource | None:
@@ -87,10 +90,28 @@ def default_model_path() -> str:
     return str(path)
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+def resolve_model(
+    model: str | None,
+    load_format: str = "auto",
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> ModelSource:
+    """Where a model's files are: the default model, a local folder or GGUF file, a built-in
+    shape (dummy weights), or a Hub id (org/name, org/name:file.gguf) from the local
+    Hugging Face cache or downloaded (cbgen.models.hub)."""
     if model is None or model == DEFAULT_MODEL:
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL)
     path = Path(model).expanduser()
+    hub_id = None if path.exists() else parse_hub_id(model)
+    if hub_id is not None and model not in BUILTIN_SHAPES:
+        try:
+            snapshot = resolve_hub(*hub_id, revision, download_dir)
+        except HubError as e:
+            raise ModelNotFoundError(str(e)) from None
+        local = resolve_model(str(snapshot.path), load_format)
+        return ModelSource(local.kind, local.path, model, snapshot.commit)
+    if revision is not None:
+        raise ModelNotFoundError(f"revision: applies to a Hub id (org/name), not to {model!r}")
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", str(path), path.stem)
     if path.is_dir():
@@ -265,7 +286,15 @@ def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     fails before any loading."""
     from safetensors import SafetensorError, safe_open
 
-    files = sorted(Path(folder).glob("*.safetensors"))
+    shards = shard_files(Path(folder))
+    if shards is None and (Path(folder) / "model.safetensors.index.json").exists():
+        raise ModelFileError(
+            f"{Path(folder) / 'model.safetensors.index.json'}: no weight_map of file names"
+        )
+    # with an index, only the shards it names (a folder may hold other copies of the weights)
+    files = (
+        [Path(folder) / f for f in shards] if shards else sorted(Path(folder).glob("*.safetensors"))
+    )
     for file in files:
         check_safetensors(file)
     for file in files:
