@@ -21,6 +21,7 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.cpu.build import native_status
 from cbgen.cpu.features import cpu_info
 from cbgen.engine.kv_cache import KVCacheManager
+from cbgen.engine.memory import check_cpu_memory
 from cbgen.engine.logprobs import TokenLogprob, with_text
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
 from cbgen.engine.profile import profile_peak_memory
@@ -112,6 +113,11 @@ class Engine:
                 raise ValueError("share_weights_with: the other engine has a shorter max_model_len")
             self.tokenizer, self.model = other.tokenizer, other.model
         else:
+            if self.device.type == "cpu":
+                available = psutil.virtual_memory().available
+                check_cpu_memory(
+                    mc, self.dtype, config.kv_cache_memory, available, self.source.name
+                )
             self.tokenizer = load_tokenizer(self.source)
             self.model = load_model(
                 self.source,

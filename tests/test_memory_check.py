@@ -1,0 +1,42 @@
+"""A model too big for the CPU's memory is refused at start-up with what it needs, before any
+weight is allocated (never a swap storm or an out-of-memory kill halfway through loading)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cbgen.engine import engine as engine_mod
+from cbgen.engine.engine import Engine
+from cbgen.engine.memory import GiB, check_cpu_memory, cpu_model_bytes
+from cbgen.models.config import BUILTIN_SHAPES
+
+
+def test_the_estimate_counts_the_packed_copies_of_float32_weights() -> None:
+    mc = BUILTIN_SHAPES["llama-8b"]
+    params = mc.num_parameters()
+    assert cpu_model_bytes(mc, torch.float32) == 3 * 4 * params
+    assert cpu_model_bytes(mc, torch.bfloat16) == 2 * params
+    check_cpu_memory(mc, torch.bfloat16, None, 2 * params, "m")  # just fits
+    with pytest.raises(ValueError, match=r"needs about .* in bfloat16 .*KV cache"):
+        check_cpu_memory(mc, torch.bfloat16, 1 << 20, 2 * params, "m")
+
+
+def test_an_8b_model_in_float32_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-8b in float32 needs ~90 GiB here; allocating it would take minutes and the machine."""
+    monkeypatch.setattr(
+        engine_mod.psutil,
+        "virtual_memory",
+        lambda: SimpleNamespace(available=20 * GiB, total=24 * GiB),
+    )
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        Engine(model="llama-8b", load_format="dummy", device="cpu", dtype="float32")
+    assert time.perf_counter() - t0 < 30
+    message = str(e.value)
+    assert message.startswith("model llama-8b needs about ")
+    assert "GiB of memory in float32 on the CPU (weights and their packed copies)" in message
+    assert "20.0 GiB is available: use --dtype bfloat16 (about 1" in message
