@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MAX_LOGPROBS = 20
@@ -175,6 +175,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """The same for each prompt token after the first (which has none); None: none. Such a
     request takes no prefix-cache hits: every prompt position is computed."""
+    logit_bias: dict[int, float] | None = None
+    """Added to these token ids' logits before sampling; OpenAI's string keys ("123") are
+    taken as ids, values are clamped to [-100, 100] as OpenAI does."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be sampled; None: any."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words never generated: each word's token sequence (tokenized as given and after a
+    space) never appears in the output; its last token is masked wherever the output ends
+    with the tokens before it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -256,6 +265,42 @@ class SamplingParams:
                     name,
                     f"must be in [0, {MAX_LOGPROBS}] (top entries per token), got {k}",
                 )
+        self._check_logit_controls()
+
+    def _check_logit_controls(self) -> None:
+        """logit_bias to {int: float} with clamped values; allowed_token_ids and bad_words to
+        lists. Whether the ids are in the vocabulary is the engine's check."""
+        if self.logit_bias is not None:
+            _check(
+                isinstance(self.logit_bias, dict),
+                "logit_bias",
+                f"must be an object of token id -> bias, got {self.logit_bias!r}",
+            )
+            bias = {}
+            for key, value in self.logit_bias.items():
+                token = _token_id_key(key)
+                _check(token is not None, "logit_bias", f"key {key!r} is not a token id")
+                _num(value, "logit_bias")
+                bias[cast(int, token)] = min(max(float(value), -100.0), 100.0)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            _check(
+                isinstance(self.allowed_token_ids, Sequence)
+                and not isinstance(self.allowed_token_ids, str)
+                and len(self.allowed_token_ids) > 0
+                and all(_is_token_id(t) for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}",
+            )
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        _check(
+            isinstance(self.bad_words, Sequence)
+            and not isinstance(self.bad_words, str)
+            and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "bad_words",
+            f"must be a list of non-blank strings, got {self.bad_words!r}",
+        )
+        self.bad_words = list(self.bad_words)
 
     @property
     def greedy(self) -> bool:
@@ -268,6 +313,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether logit_bias, allowed_token_ids or bad_words can change this row's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -283,6 +333,18 @@ def _int(value: object, name: str) -> None:
         name,
         f"must be an integer, got {value!r}",
     )
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _token_id_key(key: object) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of decimal digits (OpenAI's JSON
+    object keys); None if it is neither."""
+    if isinstance(key, str) and key.strip().isdecimal():
+        return int(key)
+    return cast(int, key) if _is_token_id(key) else None
 
 
 def _num(value: object, name: str) -> None:

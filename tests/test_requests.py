@@ -104,6 +104,9 @@ BAD_SAMPLING_PARAMS: list[tuple[str, Any]] = [
     ("frequency_penalty", -2.5), ("frequency_penalty", math.nan),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 1.0),
     ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", "2"),
+    ("logit_bias", [1]), ("logit_bias", {"x": 1}), ("logit_bias", {3: math.nan}),
+    ("allowed_token_ids", []), ("allowed_token_ids", [1.0]), ("allowed_token_ids", "1"),
+    ("bad_words", "no"), ("bad_words", [""]), ("bad_words", [3]),
 ]  # fmt: skip
 
 
@@ -239,6 +242,24 @@ def test_add_request_rejects_without_changing_the_engine(engine: Engine) -> None
     assert [(o.request_id, o.finish_reason, len(o.output_token_ids)) for o in finished] == [
         ("kept", "length", 2)
     ]
+
+
+def test_logit_control_token_ids_must_be_in_the_vocabulary(
+    engine: Engine, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    cases = [
+        ({"logit_bias": {"5": 1, str(VOCAB): 2}}, rf"^logit_bias: token id {VOCAB} is outside"),
+        ({"allowed_token_ids": [3, VOCAB + 7]}, rf"^allowed_token_ids: token id {VOCAB + 7} "),
+        ({"bad_words": [" \t"]}, r"^bad_words: must be a list of non-blank strings"),
+    ]
+    for controls, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("r", PROMPT, GREEDY.replace(**controls))
+    assert "r" not in engine.scheduler.requests
+    engine.validate_request(PROMPT, GREEDY.replace(logit_bias={VOCAB - 1: 1.0}, bad_words=["ab"]))
+    no_tokenizer = make_engine(tiny_model_dir("llama"))
+    with pytest.raises(ValueError, match=r"^bad_words: this model has no tokenizer"):
+        no_tokenizer.validate_request(PROMPT, GREEDY.replace(bad_words=["ab"]))
 
 
 def test_generate_checks_the_number_of_sampling_params(engine: Engine) -> None:
