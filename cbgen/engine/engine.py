@@ -318,7 +318,10 @@ class Engine:
         stop_ids = tuple(params.stop_token_ids)
         if self.eos_token_id is not None and not params.ignore_eos:
             stop_ids += (self.eos_token_id,)
-        self.runner.add_request(request_id, NewRequestInfo(len(token_ids), params, seed, stop_ids))
+        info = NewRequestInfo(
+            len(token_ids), params, seed, stop_ids, self.bad_words_token_ids(params)
+        )
+        self.runner.add_request(request_id, info)
         self.scheduler.add_request(req)
         return req
 
@@ -329,6 +332,14 @@ class Engine:
         bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        self.bad_words_token_ids(params)
         n = len(token_ids)
         if n > self.max_prompt_len:
             raise ValueError(
@@ -349,6 +360,31 @@ class Engine:
             raise ValueError(
                 f"max_tokens: prompt + max_tokens needs {need} KV blocks, the cache has {self.num_blocks}"
             )
+
+    def bad_words_token_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """The token sequences params.bad_words may appear as, as vLLM finds them: each word
+        (less leading spaces) tokenized as is, and after a space when that gives a different
+        first token and as many tokens (the word inside a text)."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer (use logit_bias instead)")
+        vocab = self.model_config.vocab_size
+        found: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            alone, spaced = (
+                tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                for text in (word.lstrip(), " " + word.lstrip())
+            )
+            if not alone:
+                raise ValueError(f"bad_words: {word!r} has no tokens")
+            found.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                found.append(spaced)
+        bad = next((t for ids in found for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"bad_words: token id {bad} is outside the vocabulary [0, {vocab})")
+        return tuple(found)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -39,6 +39,8 @@ class NewRequestInfo:
     params: SamplingParams
     seed: int
     stop_ids_for_min_tokens: tuple[int, ...]
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """params.bad_words as token sequences (the engine has the tokenizer)."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,7 @@ class ModelRunner:
                     prompt_len=info.prompt_len,
                     generator=self.generators.get(s.request_id),
                     stop_ids_for_min_tokens=info.stop_ids_for_min_tokens,
+                    bad_words_token_ids=info.bad_words_token_ids,
                 )
             )
         sampled, logprobs = self._sample(hidden[logits_indices], rows)
@@ -263,9 +266,9 @@ class ModelRunner:
         self, hidden: torch.Tensor, rows: list[SamplingRow]
     ) -> tuple[list[int], list[PositionLogprobs | None]]:
         """One token per row, and its logprobs for the rows that ask. Rows the bf16 head
-        answers exactly (plain greedy, plain temperature sampling, no logprobs: the head makes
-        no float32 logits) go through it; the others, and any row it hands back, through the
-        float32 logits and the sampler. The path depends on the row alone, so a seeded request
+        answers exactly (plain greedy, plain temperature sampling, no logprobs, no logit_bias /
+        allowed_token_ids / bad_words: the head makes no float32 logits) go through it; the
+        others, and any row it hands back, through the float32 logits and the sampler. The path depends on the row alone, so a seeded request
         draws the same tokens whatever shares its batch."""
         head = self.model.bf16_head
         tokens = [-1] * len(rows)

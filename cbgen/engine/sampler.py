@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, min_tokens, greedy, temperature / top-k / top-p / min-p.
+"""Batched sampling: logit_bias / allowed_token_ids / bad_words, penalties, min_tokens, greedy,
+temperature / top-k / top-p / min-p.
 
 One call per step for the requests that sample from float32 logits (on a CPU with native
 bf16 matmuls, plain greedy and plain temperature rows take the exact bf16 LM head instead,
@@ -32,6 +33,8 @@ class SamplingRow:
     """A host generator: the row's uniform number is drawn on the CPU whatever the logits' device."""
     stop_ids_for_min_tokens: Sequence[int]
     """EOS and stop token ids: masked while fewer than min_tokens exist."""
+    bad_words_token_ids: Sequence[Sequence[int]] = ()
+    """The token sequences of params.bad_words (see apply_logit_controls)."""
 
     @property
     def prompt_token_ids(self) -> Sequence[int]:
@@ -53,19 +56,54 @@ class SamplingRow:
             not p.greedy
             and p.temperature >= min_temperature
             and not p.has_penalties
+            and not p.has_logit_controls
             and not _filters(p, vocab)
             and not (self.num_output_tokens < p.min_tokens and self.stop_ids_for_min_tokens)
         )
 
     @property
     def plain_argmax(self) -> bool:
-        """The token is the argmax of the raw logits: greedy, no penalty, nothing held back."""
+        """The token is the argmax of the raw logits: greedy, no penalty, no logit control,
+        nothing held back."""
         p = self.params
         return (
             p.greedy
             and not p.has_penalties
+            and not p.has_logit_controls
             and not (self.num_output_tokens < p.min_tokens and self.stop_ids_for_min_tokens)
         )
+
+
+def apply_logit_controls(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    output_token_ids: Sequence[int],
+    bad_words_token_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Apply allowed_token_ids, bad words and logit_bias to one row of logits [V] in place,
+    in vLLM's order, and return it. A bad word's last token is masked when the output so far
+    ends with the word's other tokens (a one-token word always):
+
+        output   ... a  b        bad word  a b c   ->  c masked
+    """
+    vocab = logits.shape[-1]
+    device = logits.device
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+        keep[torch.tensor(params.allowed_token_ids, device=device)] = True
+        logits.masked_fill_(~keep, float("-inf"))
+    banned = [
+        ids[-1]
+        for ids in bad_words_token_ids
+        if len(ids) <= len(output_token_ids) + 1
+        and list(output_token_ids[len(output_token_ids) - len(ids) + 1 :]) == list(ids[:-1])
+    ]
+    if banned:
+        logits[banned] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=device)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), device=device)
+    return logits
 
 
 def apply_penalties(
@@ -202,6 +240,8 @@ class Sampler:
         vocab = logits.shape[-1]
         for i, row in enumerate(rows):
             p = row.params
+            if p.has_logit_controls:
+                apply_logit_controls(logits[i], p, row.output_token_ids, row.bad_words_token_ids)
             if p.has_penalties:
                 apply_penalties(
                     logits[i],
