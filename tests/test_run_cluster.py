@@ -265,8 +265,8 @@ def test_openai_bodies_with_fields_cbgen_lacks_are_error_rows() -> None:
 
 def test_plain_rows_keep_extra_fields_as_metadata_but_not_feature_requests() -> None:
     assert _parse({"prompt": "x", "source": "wiki", "tags": ["a"]}) is None
-    assert _parse({"prompt": "x", "logit_bias": {"5": 10}}) == (
-        "line 1: logit_bias: cbgen does not implement this request field yet"
+    assert _parse({"prompt": "x", "best_of": 2}) == (
+        "line 1: best_of: cbgen does not implement this request field yet"
     )
     assert _parse({"prompt": "x", "structured_outputs": {"regex": "a+"}}) is not None
     # a column the user named is theirs, whatever it is called
