@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from test_requests import make_engine, model_dir
+from test_run_cli import TINY_CHAT_CONFIG, chat_model, read_rows, run, tiny, write_jsonl
 
 from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
@@ -18,7 +19,7 @@ from cbgen.engine.sampler import Sampler, SamplingRow
 from cbgen.io.rows import ColumnSpec, parse_mapping
 from cbgen.llm import LLM
 
-__all__ = ["model_dir"]  # a fixture, used by name
+__all__ = ["chat_model", "model_dir"]  # fixtures, used by name
 
 PROMPTS = [[40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 3, 77, 42, 42, 9, 250, 17], [30, 31]]
 NEW_TOKENS = 12
@@ -199,3 +200,27 @@ def test_rows_carry_the_controls_to_sampling_params() -> None:
     params = SamplingParams().replace(**parsed.overrides)
     assert params.logit_bias == {5: 10.0} and params.allowed_token_ids == [1, 5]
     assert SamplingParams().replace(**plain.overrides).bad_words == ["no"]
+
+
+def test_cbgen_run_applies_row_controls_and_refuses_bad_ids(
+    tmp_path: Path, chat_model: Path
+) -> None:
+    vocab = TINY_CHAT_CONFIG["vocab_size"]
+    src = write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {"id": "bias", "prompt": "Hi", "logit_bias": {"1234": 100}, "logprobs": 0},
+            {"id": "allowed", "prompt": "Hi", "allowed_token_ids": [77, 78], "logprobs": 0},
+            {"id": "far", "prompt": "Hi", "allowed_token_ids": [vocab]},
+            {"id": "bias_type", "prompt": "Hi", "logit_bias": {"x": 1}},
+        ],
+    )
+    out = run(["run", str(src), *tiny(chat_model), "--max-error-rate", "1"])
+    assert out.returncode == 0, out.stderr + out.stdout
+    rows = {r["id"]: r for r in read_rows(tmp_path / "c.out.parquet")}
+    assert [e["token_id"] for e in rows["bias"]["logprobs"]] == [1234] * 4
+    assert {e["token_id"] for e in rows["allowed"]["logprobs"]} <= {77, 78}
+    assert rows["far"]["error"] == (
+        f"line 3: allowed_token_ids: token id {vocab} is outside the vocabulary [0, {vocab})"
+    )
+    assert rows["bias_type"]["error"] == "line 4: logit_bias: key 'x' is not a token id"
