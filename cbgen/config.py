@@ -126,6 +126,13 @@ class EngineConfig:
         )
         _int(self.seed, "seed")
         _check(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32), got {self.seed}")
+        for name in ("revision", "download_dir"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, str) and bool(value.strip())),
+                name,
+                f"must be a non-empty string, got {value!r}",
+            )
         _check(
             self.num_threads is None or self.num_threads >= 1,
             "num_threads",

@@ -144,6 +144,7 @@ BAD_ENGINE_CONFIG: list[tuple[str, Any]] = [
     ("scheduling_policy", "fifo"),
     ("static_batch_size", 0),
     ("num_threads", 0),
+    ("revision", ""), ("revision", 3), ("download_dir", ""),
 ]  # fmt: skip
 
 

@@ -21,8 +21,8 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.cpu.build import native_status
 from cbgen.cpu.features import cpu_info
 from cbgen.engine.kv_cache import KVCacheManager
-from cbgen.engine.memory import check_cpu_memory
 from cbgen.engine.logprobs import TokenLogprob, with_text
+from cbgen.engine.memory import check_cpu_memory
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
 from cbgen.engine.profile import profile_peak_memory
 from cbgen.engine.request import Request, RequestStatus
@@ -115,9 +115,7 @@ class Engine:
         else:
             if self.device.type == "cpu":
                 available = psutil.virtual_memory().available
-                check_cpu_memory(
-                    mc, self.dtype, config.kv_cache_memory, available, self.source.name
-                )
+                check_cpu_memory(mc, self.dtype, available, self.source.name)
             self.tokenizer = load_tokenizer(self.source)
             self.model = load_model(
                 self.source,

@@ -19,20 +19,19 @@ def cpu_model_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
     return 3 * weights if dtype == torch.float32 else weights
 
 
-def check_cpu_memory(
-    mc: ModelConfig, dtype: torch.dtype, kv_bytes: int | None, available: int, name: str
-) -> None:
-    """ValueError naming what the model needs when it cannot fit in `available` bytes."""
-    need = cpu_model_bytes(mc, dtype) + (kv_bytes or 0)
+def check_cpu_memory(mc: ModelConfig, dtype: torch.dtype, available: int, name: str) -> None:
+    """ValueError naming what the weights need when they cannot fit in `available` bytes (the
+    KV cache has its own check, once the weights are in)."""
+    need = cpu_model_bytes(mc, dtype)
     if need <= available:
         return
     kind = str(dtype).removeprefix("torch.")
     hint = ""
     if dtype == torch.float32:
-        smaller = cpu_model_bytes(mc, torch.bfloat16) + (kv_bytes or 0)
+        smaller = cpu_model_bytes(mc, torch.bfloat16)
         hint = f": use --dtype bfloat16 (about {smaller / GiB:.1f} GiB) or a smaller model"
+    packed = " and their packed copies" if dtype == torch.float32 else ""
     raise ValueError(
         f"model {name} needs about {need / GiB:.1f} GiB of memory in {kind} on the CPU "
-        f"(weights{' and their packed copies' if dtype == torch.float32 else ''}"
-        f"{', KV cache' if kv_bytes else ''}), and {available / GiB:.1f} GiB is available{hint}"
+        f"(weights{packed}), and {available / GiB:.1f} GiB is available{hint}"
     )
