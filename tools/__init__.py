@@ -2,6 +2,7 @@
 
     compare_peers   one workload through cbgen, transformers and vLLM's CPU build, one table
     profile_step    where an engine step's time goes (torch profiler or cProfile)
+    gpu_check       the offline GPU check (sections in gpu_sections, models in gpu_fixtures)
 
 The peer comparison starts its workers (cbgen_worker, hf_worker, vllm_worker) and the matmul
 peak (matmul_peak) as `python -m tools.<name>` subprocesses; peer_common is what they share.
