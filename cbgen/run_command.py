@@ -78,6 +78,13 @@ def run(
             help="Input fields/columns copied to the output (comma-separated or repeated). Parquet keeps their types; JSONL values become text (non-strings as JSON).",
         ),
     ] = None,
+    output_format: Annotated[
+        str,
+        typer.Option(
+            rich_help_panel=IO_PANEL,
+            help="parquet, jsonl (one object per row) or openai (OpenAI Batch API output lines); auto: jsonl when OUTPUT ends in .jsonl. jsonl and openai keep the Parquet file beside as the run's record.",
+        ),
+    ] = "auto",
     overwrite: Annotated[
         bool,
         typer.Option(
@@ -159,6 +166,7 @@ def run(
     holds OUTPUT; 5 earlier results have other settings; 130/143 interrupted (resumable).
     """
     from cbgen.display import make_display
+    from cbgen.io.export import resolve_format
     from cbgen.io.identity import SettingsMismatchError
     from cbgen.io.lock import OutputLockedError
     from cbgen.io.part import RunPlan
@@ -182,7 +190,8 @@ def run(
         the_shard = _resolve_shard(shard, display)
         keep = tuple(c.strip() for item in keep_columns or [] for c in item.split(",") if c.strip())
         chat = _chat_defaults(chat_template, chat_template_kwargs)
-        layout = OutputLayout.build(input, output, the_shard)
+        fmt = resolve_format(output_format, output)
+        layout = OutputLayout.build(input, output, the_shard, export=fmt != "parquet")
     except ValueError as e:
         _fail(str(e), EXIT_USAGE)
     except OutputError as e:
@@ -210,6 +219,7 @@ def run(
         max_error_rate=max_error_rate,
         overwrite=overwrite,
         chat=chat,
+        output_format=fmt,
         gpu_ids=_gpu_ids(config, data_parallel_size),
         settings=settings,
     )

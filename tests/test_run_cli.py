@@ -58,6 +58,7 @@ BASE_COLUMNS = [
     "finish_reason",
     "stop_reason",
     "error",
+    "request_kind",
     *LATENCY_COLUMNS,
     "num_preemptions",
     *LOGPROB_COLUMNS,

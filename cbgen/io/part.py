@@ -31,6 +31,8 @@ class RunPlan:
     """Exit 3 above this fraction of failed rows; None: only when every row failed."""
     overwrite: bool = False
     chat: ChatDefaults = field(default_factory=ChatDefaults)
+    output_format: str = "parquet"
+    """parquet, or jsonl / openai: exported from the Parquet record at the end."""
     gpu_ids: tuple[str, ...] = ()
     """Devices for data-parallel workers on CUDA (worker k gets gpu_ids[k]); empty on the CPU."""
     settings: dict[str, Any] = field(default_factory=dict)

@@ -2,7 +2,7 @@
 
     id | row | sample_index | prompt_tokens | cached_tokens | completion | reasoning |
     completion_tokens |
-    finish_reason | stop_reason | error | queue_s | ttft_s | tpot_s | itl_p50_s | itl_p99_s |
+    finish_reason | stop_reason | error | request_kind | queue_s | ttft_s | tpot_s | itl_p50_s | itl_p99_s |
     itl_max_s | e2e_s | num_preemptions | cumulative_logprob | logprobs | prompt_logprobs |
     <pass-through columns>
 
@@ -45,6 +45,7 @@ BASE_FIELDS: tuple[pa.Field, ...] = (
     pa.field("finish_reason", pa.string(), nullable=False),
     pa.field("stop_reason", pa.string()),
     pa.field("error", pa.string()),
+    pa.field("request_kind", pa.string()),
     *(pa.field(c, pa.float64()) for c in LATENCY_COLUMNS),
     pa.field("num_preemptions", pa.int32()),
     pa.field("cumulative_logprob", pa.float64()),
@@ -96,6 +97,7 @@ def ok_record(
         "finish_reason": out.finish_reason,
         "stop_reason": None if out.stop_reason is None else str(out.stop_reason),
         "error": out.error,
+        "request_kind": _kind(row),
         "queue_s": m.queue_s,
         "ttft_s": m.ttft_s,
         "tpot_s": m.tpot_s,
@@ -147,9 +149,15 @@ def error_record(
         "finish_reason": "error",
         "stop_reason": None,
         "error": message,
+        "request_kind": _kind(row),
         **dict.fromkeys(LATENCY_COLUMNS),
         "num_preemptions": 0,
         **dict.fromkeys(LOGPROB_COLUMNS),
     }
     rec.update(row.keep)
     return rec
+
+
+def _kind(row: InputRow) -> str:
+    """chat (the row gave messages) or completion (a prompt, or nothing usable)."""
+    return "chat" if row.messages is not None else "completion"

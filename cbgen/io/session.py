@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from cbgen.display import Display
 from cbgen.io import identity
+from cbgen.io.export import export
 from cbgen.io.lock import OutputLock
 from cbgen.io.parallel import run_data_parallel
 from cbgen.io.part import PartResult, RunPlan, generate_part
@@ -147,6 +148,14 @@ def _locked_run(
     settings = dict(plan.settings, engine_description=result.describe, model_commit=model.commit)
     summary = build_summary(layout.final, stats, this_run, settings)
     write_summary(layout.summary, summary)
+    if layout.export is not None:
+        try:
+            lines = export(layout.final, layout.export, plan.output_format, model.name)
+        except OSError as e:
+            raise OutputError(
+                os_error_message(e, str(layout.export)) + f"; the rows are safe in {layout.final}"
+            ) from None
+        display.message(f"{lines} lines written to {layout.export} ({plan.output_format})")
     display.message(format_summary(summary))
     display.message(f"summary: {layout.summary}")
     return _error_rate_exit(summary, plan.max_error_rate, display)

@@ -63,15 +63,22 @@ class OutputLayout:
     summary: Path
     staging: Path
     shard: Shard | None = None
+    export: Path | None = None
+    """The JSONL file exported from `final` at the end (--output-format jsonl or openai)."""
 
     @classmethod
-    def build(cls, input_path: str, output: str | None, shard: Shard | None) -> OutputLayout:
-        """Default OUTPUT: INPUT's stem + .out.parquet beside it (a folder of parts under --shard)."""
+    def build(
+        cls, input_path: str, output: str | None, shard: Shard | None, export: bool = False
+    ) -> OutputLayout:
+        """Default OUTPUT: INPUT's stem + .out.parquet beside it (.out.jsonl when exporting; a
+        folder of parts under --shard). When exporting, the Parquet file beside the JSONL one
+        (same stem) is the run's record: resume keys, settings and the summary's figures."""
+        suffix = ".jsonl" if export else ".parquet"
         if output is None:
             if input_path == "-":
                 raise OutputError("reading stdin: give the output file with -o")
             p = Path(input_path)
-            out = p.with_name(p.stem + ".out.parquet")
+            out = p.with_name(p.stem + ".out" + suffix)
         else:
             out = Path(output).expanduser()
         if shard is None:
@@ -79,18 +86,27 @@ class OutputLayout:
                 raise OutputError(
                     f"output {out} is a folder (a folder of parts is written only with --shard)"
                 )
-            stem = out.name.removesuffix(".parquet")
-            return cls(out, out.with_name(stem + ".summary.json"), out.with_name(stem + ".partial"))
+            stem = out.name.removesuffix(suffix)
+            if export and out.suffix == ".parquet":
+                raise OutputError(f"output {out}: a JSONL export needs another name (.jsonl)")
+            final = out.with_name(stem + ".parquet")
+            return cls(
+                final,
+                out.with_name(stem + ".summary.json"),
+                out.with_name(stem + ".partial"),
+                export=out if export else None,
+            )
         if out.exists() and not out.is_dir():
             raise OutputError(
                 f"with --shard the output {out} is a folder of parts, but it is a file"
             )
         label = shard.label
         return cls(
-            out / f"{label}.parquet",
+            out / (f"_{label}.parquet" if export else f"{label}.parquet"),
             out / f"_{label}.summary.json",
             out / f"_{label}.partial",
             shard,
+            out / f"{label}.jsonl" if export else None,
         )
 
     def prepare(self) -> None:
@@ -123,8 +139,9 @@ class OutputLayout:
 
     def clear(self) -> None:
         """Forget earlier results (--overwrite); the staging folder and its lock stay."""
-        for p in (self.final, self.summary):
-            p.unlink(missing_ok=True)
+        for p in (self.final, self.summary, self.export):
+            if p is not None:
+                p.unlink(missing_ok=True)
         if self.staging.is_dir():
             for p in self.staging.iterdir():
                 if p.is_dir():
