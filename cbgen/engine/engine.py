@@ -126,6 +126,7 @@ class Engine:
                 config.load_format,
                 config.seed,
             )
+        self._bad_words_ids: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
         self.load_time_s = time.perf_counter() - t0
         self.num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -365,11 +366,21 @@ class Engine:
         first token and as many tokens (the word inside a text)."""
         if not params.bad_words:
             return ()
+        words = tuple(params.bad_words)
+        hit = self._bad_words_ids.get(words)
+        if hit is None:  # validate_request and add_request (and a row's n samples) ask alike
+            hit = self._tokenize_bad_words(words)
+            if len(self._bad_words_ids) >= 1024:
+                self._bad_words_ids.clear()
+            self._bad_words_ids[words] = hit
+        return hit
+
+    def _tokenize_bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         if self.tokenizer is None:
             raise ValueError("bad_words: this model has no tokenizer (use logit_bias instead)")
         vocab = self.model_config.vocab_size
         found: list[tuple[int, ...]] = []
-        for word in params.bad_words:
+        for word in words:
             alone, spaced = (
                 tuple(self.tokenizer.encode(text, add_special_tokens=False))
                 for text in (word.lstrip(), " " + word.lstrip())
