@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -99,9 +100,13 @@ def test_a_second_run_on_the_same_output_refuses_at_once(tmp_path: Path, chat_mo
     args = ["run", str(src), *tiny(chat_model, "--max-num-seqs", "2", "--log-interval", "0.05")]
     first = Running(args)
     first.wait_for(lambda: first.rows_done() >= 2)
-    t0 = time.monotonic()
-    second = run(args)
-    refused_in = time.monotonic() - t0
+    first.proc.send_signal(signal.SIGSTOP)  # holds its lock however fast the machine is
+    try:
+        t0 = time.monotonic()
+        second = run(args)
+        refused_in = time.monotonic() - t0
+    finally:
+        first.proc.send_signal(signal.SIGCONT)
     assert second.returncode == 4, second.stderr + second.stdout
     message = second.stderr.strip()
     assert message.startswith("error: another run is writing this output (pid ")
@@ -119,7 +124,11 @@ def test_shards_of_one_output_do_not_block_each_other(tmp_path: Path, chat_model
     base = [*tiny(chat_model, "--max-num-seqs", "2", "--log-interval", "0.05"), "-o", str(out)]
     a = Running(["run", str(src), *base, "--shard", "0/2"])
     a.wait_for(lambda: a.rows_done() >= 1)
-    b = run(["run", str(src), *base, "--shard", "1/2"])
+    a.proc.send_signal(signal.SIGSTOP)  # shard 0 is mid-run, holding its lock, all the while
+    try:
+        b = run(["run", str(src), *base, "--shard", "1/2"])
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
     assert b.returncode == 0, b.stderr + b.stdout
     assert a.finish() == 0, a.output()
     ids = pq.read_table(out).column("id").to_pylist()
