@@ -20,6 +20,7 @@ import torch
 from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.models.config import ModelConfig
 from cbgen.models.llama import CausalLM
+from cbgen.models.registry import build_model
 
 
 def _shape(
@@ -129,7 +130,7 @@ def random_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = CausalLM(cfg, max_positions)
+            model = build_model(cfg, max_positions)
     finally:
         torch.set_default_dtype(saved)
     model.rope.build()

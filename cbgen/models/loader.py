@@ -37,6 +37,7 @@ from cbgen.models.errors import ModelFileError, one_line, read_json_object
 from cbgen.models.gguf_file import GGUFError, GGUFFile
 from cbgen.models.hub import HubError, parse_hub_id, resolve_hub, shard_files
 from cbgen.models.llama import CausalLM
+from cbgen.models.registry import build_model
 from cbgen.models.safetensors_file import check_safetensors
 from cbgen.models.triton_ops import TritonOps
 
@@ -351,7 +352,7 @@ def load_model(
     """Allocate the model on the device in the engine dtype without initialising it, then
     fill it; RoPE tables stay float32."""
     with _uninitialized(dtype, device):
-        model = CausalLM(cfg, max_positions)
+        model = build_model(cfg, max_positions)
     model.rope.build()
     if load_format == "dummy" or source.kind == "shape":
         _init_dummy(model, seed)

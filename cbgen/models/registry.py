@@ -1,0 +1,22 @@
+"""Which model class runs which architecture (ModelConfig.model_type). Every class is a
+CausalLM: the same forward contract (hidden states, then compute_logits) and the same weight
+loading entry points, so the engine never asks which family it runs."""
+
+from __future__ import annotations
+
+from cbgen.models.config import ModelConfig
+from cbgen.models.llama import CausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": CausalLM,
+    "qwen2": CausalLM,
+    "qwen3": CausalLM,
+}
+
+
+def build_model(cfg: ModelConfig, max_positions: int) -> CausalLM:
+    """The model for cfg, its parameters allocated (not loaded)."""
+    cls = MODEL_CLASSES.get(cfg.model_type)
+    if cls is None:
+        raise ValueError(f"no model class for model_type {cfg.model_type!r}")
+    return cls(cfg, max_positions)
