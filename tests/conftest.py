@@ -13,6 +13,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("CBGEN_CPU_TUNING", "off")  # the build defaults: no timing decides a path
 
 import torch
 

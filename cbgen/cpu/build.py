@@ -244,6 +244,11 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     return _build(tuple(extra_flags)).library
 
 
+def native_build() -> Build:
+    """The default build for this process (the library, its file, or why there is none)."""
+    return _build(())
+
+
 def native_status() -> str:
     """'native CPU kernels: built for x86-64 znver4 avx512f avx512bf16 avx2 fma (gcc 12.2)', or
     'native CPU kernels: unavailable (...)' with the reason (a build log's path)."""

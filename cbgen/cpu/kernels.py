@@ -273,16 +273,30 @@ PANEL = 32
 """Output columns per packed panel of small_gemm (N must be a multiple)."""
 
 
-@functools.cache
 def small_gemm_max_rows() -> int:
     """Up to this many rows small_gemm beats oneDNN's packed matmul with the tiles of this
     machine's build (0 without the kernels); the build answers, since the tiles are chosen per
     ISA when it is compiled. With AVX-512 (16-row tiles, measured over a whole model's layers
     from cold caches: 1.6x at 1 row, 1.4x at 8, 1.1-1.2x at 29-512, even at 640, 2 % slower at
     1024) and with AVX2 (6-row tiles): docs/PERFORMANCE.md. Decode batches and the mixed steps
-    of chunked prefill take small_gemm; long prompt chunks go to oneDNN."""
+    of chunked prefill take small_gemm; long prompt chunks go to oneDNN. The loader replaces
+    the build's default by what cbgen.cpu.tuning measured on this machine."""
+    return _build_max_rows() if _max_rows_measured is None else _max_rows_measured
+
+
+@functools.cache
+def _build_max_rows() -> int:
     lib = load_library()
     return 0 if lib is None else int(lib.cbgen_small_gemm_max_rows())
+
+
+_max_rows_measured: int | None = None
+
+
+def set_small_gemm_max_rows(rows: int | None) -> None:
+    """Use `rows` as small_gemm_max_rows from now on (None: the build's default again)."""
+    global _max_rows_measured
+    _max_rows_measured = rows
 
 
 HUGE_PAGE = 2 << 20

@@ -18,6 +18,7 @@ import torch
 
 from cbgen.attention import get_attention_backend
 from cbgen.config import EngineConfig, SamplingParams
+from cbgen.cpu import tuning
 from cbgen.cpu.build import native_status
 from cbgen.cpu.features import cpu_info
 from cbgen.engine.kv_cache import KVCacheManager
@@ -230,7 +231,12 @@ class Engine:
             f"attention {self.backend.name}; KV cache {self.num_blocks} blocks x {self.config.block_size} "
             f"tokens = {tokens} tokens ({self.num_blocks * self.kv_bytes_per_block / GiB:.2f} GiB), "
             f"room for {tokens // self.max_model_len}+ sequences at max_model_len {self.max_model_len}"
-        ) + (f"; {cpu_info().describe()}; {native_status()}" if self.device.type == "cpu" else "")
+        ) + (f"; {cpu_info().describe()}; {self._native_line()}" if self.device.type == "cpu" else "")
+
+    @staticmethod
+    def _native_line() -> str:
+        tuned = tuning.applied()
+        return native_status() + ("" if tuned is None else f", {tuned.describe()}")
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -29,6 +29,7 @@ from torch import nn
 
 from cbgen.attention.triton_backend import triton_available
 from cbgen.config import DEFAULT_MODEL
+from cbgen.cpu import tuning
 from cbgen.cpu.kernels import fused_ops_available
 from cbgen.cpu.linear import Bf16Head, bf16_matmul_fast, onednn_packing_available
 from cbgen.cpu.ops import CPU_OPS
@@ -378,6 +379,7 @@ def load_model(
         native = fused_ops_available()
         if native:
             model.ops = CPU_OPS
+            tuning.apply()
         model.pack_linear_weights(onednn=onednn_packing_available(), panels=native)
         if native and bf16_matmul_fast():
             model.bf16_head = Bf16Head(model.head_weight.data)

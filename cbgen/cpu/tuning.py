@@ -1,0 +1,214 @@
+"""Thresholds measured on the machine itself, once per kernel build.
+
+The kernels' tiles are chosen per ISA when they are compiled, and each build carries a default
+for where small_gemm stops beating oneDNN's packed matmul (small_gemm.c MAX_ROWS). Where that
+crossover falls also depends on the cache sizes, the memory bandwidth and oneDNN's own kernels
+for the CPU, which one ISA covers many of. So at first use, in the same cache as the build and
+under the same key, a short pass times both paths on a layer-sized weight and keeps the largest
+row count up to which small_gemm is not slower; later processes read it back.
+
+CBGEN_CPU_TUNING=off keeps the build's defaults (what the tests use, so a noisy machine cannot
+change which path a test takes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from cbgen.cpu import build, kernels
+from cbgen.cpu.linear import onednn_packing_available, pack_weight, packed_linear
+
+logger = logging.getLogger("cbgen")
+
+VERSION = 1
+"""Bumped when what is measured changes: an older file is measured again."""
+
+ROWS: tuple[int, ...] = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
+"""The row counts the pass tries (decode batches and the mixed steps of chunked prefill)."""
+
+SHAPE = (1536, 576)
+"""[N, K] of the weight timed: a 135M-class MLP projection, whose panels (3.5 MiB) outgrow
+the L2 caches of every current CPU, as a whole layer's weights do."""
+
+WEIGHTS = 10
+"""How many of them one pass goes through: 35 MiB of panels, beyond a 32 MiB L3."""
+
+SLACK = 1.10
+"""small_gemm keeps a row count unless it is clearly slower there (by more than this, twice)."""
+
+BUSY_LOAD = 0.5
+"""Load average per CPU above which the pass does not measure (another job's noise would be
+kept for good): the build's default serves this process and a later start measures."""
+
+
+@dataclass(frozen=True)
+class Tuning:
+    small_gemm_max_rows: int
+    source: str
+    """'measured' (this machine, now or earlier), 'build default' or why it is the default."""
+
+    def describe(self) -> str:
+        return f"small_gemm up to {self.small_gemm_max_rows} rows ({self.source})"
+
+
+def crossover(
+    rows: Sequence[int], native_s: Sequence[float], onednn_s: Sequence[float], slack: float = SLACK
+) -> int:
+    """The largest row count up to which the native path is never more than `slack` times
+    slower than oneDNN at any row count tried (0 when it is slower at the first)."""
+    best = 0
+    for r, a, b in zip(rows, native_s, onednn_s, strict=False):
+        if a > b * slack:
+            break
+        best = r
+    return best
+
+
+def _best_times(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
+    """The fastest of reps timings of each fn, taken in turns (fn 0, fn 1, fn 0, ...) so that
+    whatever else runs on the machine slows both alike; the minimum is the least disturbed."""
+    for fn in fns:
+        fn()  # warm: oneDNN's primitive cache, page faults
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def measure(reps: int = 5) -> tuple[list[float], list[float]] | None:
+    """Seconds per pass over WEIGHTS layer-sized weights (more than a last-level cache holds,
+    so the weights stream from memory as a model's do) at each ROWS size, through small_gemm and
+    through oneDNN's packed matmul, up to the first size where small_gemm loses; None when
+    either path is unavailable here."""
+    if not onednn_packing_available():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(SHAPE, generator=gen) for _ in range(WEIGHTS)]
+    packed = [pack_weight(w) for w in weights]
+    panels = [p for p in map(kernels.pack_panels, weights) if p is not None]
+    del weights
+    if len(panels) < WEIGHTS:
+        return None
+    native, onednn = [], []
+    for r in ROWS:
+        x = torch.randn(r, SHAPE[1], generator=gen)
+
+        def native_pass(x: torch.Tensor = x) -> None:
+            for p in panels:
+                kernels.small_gemm(x, p, None)
+
+        def onednn_pass(x: torch.Tensor = x) -> None:
+            for w in packed:
+                packed_linear(x, w, None)
+
+        a, b = _best_times([native_pass, onednn_pass], reps)
+        if a > b * SLACK:  # a loss counts when a second look agrees
+            a, b = _best_times([native_pass, onednn_pass], reps)
+        native.append(a)
+        onednn.append(b)
+        if a > b * SLACK:
+            break
+    return native, onednn
+
+
+def _load_per_cpu() -> float:
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
+def tuning_path(library: Path) -> Path:
+    """Beside the library, under its key: a rebuild for another CPU or source is tuned anew."""
+    return library.with_suffix(".tuning.json")
+
+
+def read(path: Path) -> Tuning | None:
+    """A tuning written by this version, or None (absent, unreadable, another version)."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != VERSION:
+            return None
+        rows = data["small_gemm_max_rows"]
+        if type(rows) is not int or rows < 0:
+            return None
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+    return Tuning(rows, "measured")
+
+
+def write(path: Path, tuning: Tuning, native_s: Sequence[float], onednn_s: Sequence[float]) -> None:
+    """Atomically, with the timings it came from (for whoever wonders why)."""
+    data = {
+        "version": VERSION,
+        **asdict(tuning),
+        "shape": list(SHAPE),
+        "rows": list(ROWS),
+        "small_gemm_s": [round(t, 7) for t in native_s],
+        "onednn_s": [round(t, 7) for t in onednn_s],
+    }
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache: measured again next time
+        logger.debug("could not keep the CPU tuning in %s: %s", path, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def tune(library: Path, default: int) -> Tuning:
+    """The tuning for the build at `library`: read back, or measured now and kept."""
+    path = tuning_path(library)
+    found = read(path)
+    if found is not None:
+        return found
+    load = _load_per_cpu()
+    if load > BUSY_LOAD:
+        return Tuning(default, f"build default: machine busy (load {load:.1f} per CPU)")
+    timings = measure()
+    if timings is None:
+        return Tuning(default, "build default: oneDNN packing unavailable")
+    native_s, onednn_s = timings
+    tuning = Tuning(crossover(ROWS, native_s, onednn_s), "measured")
+    write(path, tuning, native_s, onednn_s)
+    logger.info("CPU tuning: %s, kept in %s", tuning.describe(), path)
+    return tuning
+
+
+_applied: list[Tuning] = []
+
+
+def apply() -> Tuning | None:
+    """Tune this process's kernels (once; None without them): the measured threshold goes to
+    kernels.small_gemm_max_rows, which every CPU linear layer asks."""
+    if _applied:
+        return _applied[0]
+    b = build.native_build()
+    if b.library is None or b.path is None:
+        return None
+    default = int(b.library.cbgen_small_gemm_max_rows())
+    if os.environ.get("CBGEN_CPU_TUNING", "").lower() in ("off", "0", "no", "false"):
+        tuning = Tuning(default, "build default: CBGEN_CPU_TUNING=off")
+    else:
+        tuning = tune(b.path, default)
+    kernels.set_small_gemm_max_rows(tuning.small_gemm_max_rows)
+    _applied.append(tuning)
+    return tuning
+
+
+def applied() -> Tuning | None:
+    """The tuning apply() put in place in this process, if it ran."""
+    return _applied[0] if _applied else None

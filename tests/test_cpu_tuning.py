@@ -1,0 +1,129 @@
+"""The per-machine tuning pass: the crossover it picks, the file it keeps beside the kernel
+build, and the threshold every CPU linear layer then follows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cbgen.cpu import build, kernels, tuning
+from cbgen.cpu.linear import linear, onednn_packing_available, pack_weight
+
+needs_kernels = pytest.mark.skipif(
+    build.load_library() is None or not onednn_packing_available(),
+    reason="needs the native kernels and oneDNN packing",
+)
+
+
+def test_crossover_keeps_the_largest_row_count_before_the_first_loss() -> None:
+    rows = [16, 32, 64, 128]
+    assert tuning.crossover(rows, [1, 2, 4, 8], [2, 3, 4, 9]) == 128
+    assert tuning.crossover(rows, [1, 2, 5, 8], [2, 3, 4, 9]) == 32  # lost at 64: stop there
+    assert tuning.crossover(rows, [1, 2, 4.1, 1], [2, 3, 4, 9]) == 128  # within the slack
+    assert tuning.crossover(rows, [3, 1, 1, 1], [2, 9, 9, 9]) == 0
+
+
+@needs_kernels
+def test_tune_measures_once_and_reads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = tmp_path / "cbgen_cpu_0123456789abcdef.so"
+    calls: list[int] = []
+    real = tuning.measure
+
+    def counted(reps: int = 5) -> tuple[list[float], list[float]] | None:
+        calls.append(reps)
+        return real(reps=1)
+
+    monkeypatch.setattr(tuning, "measure", counted)
+    monkeypatch.setattr(tuning, "_load_per_cpu", lambda: 0.0)
+    first = tuning.tune(lib, default=7)
+    assert first.source == "measured" and calls == [5]
+    kept = json.loads(tuning.tuning_path(lib).read_text())
+    assert kept["small_gemm_max_rows"] == first.small_gemm_max_rows
+    assert 1 <= len(kept["small_gemm_s"]) == len(kept["onednn_s"]) <= len(tuning.ROWS)
+    assert kept["small_gemm_max_rows"] == tuning.crossover(
+        tuning.ROWS, kept["small_gemm_s"], kept["onednn_s"]
+    )
+    assert tuning.tune(lib, default=7) == first and calls == [5]  # read back, not measured
+
+    # a file of another version, or a broken one, is measured again
+    for text in (json.dumps({**kept, "version": tuning.VERSION + 1}), "{not json", "[]"):
+        tuning.tuning_path(lib).write_text(text)
+        assert tuning.tune(lib, default=7).source == "measured"
+    assert len(calls) == 4
+
+
+def test_tune_without_onednn_keeps_the_build_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tuning, "measure", lambda reps=5: None)
+    monkeypatch.setattr(tuning, "_load_per_cpu", lambda: 0.0)
+    got = tuning.tune(tmp_path / "x.so", default=96)
+    assert got.small_gemm_max_rows == 96 and got.source.startswith("build default")
+    assert not tuning.tuning_path(tmp_path / "x.so").exists()
+
+
+def test_a_busy_machine_is_not_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(reps: int = 5) -> None:
+        raise AssertionError("measured on a busy machine")
+
+    monkeypatch.setattr(tuning, "measure", fail)
+    monkeypatch.setattr(tuning, "_load_per_cpu", lambda: 1.5)
+    got = tuning.tune(tmp_path / "x.so", default=96)
+    assert got == tuning.Tuning(96, "build default: machine busy (load 1.5 per CPU)")
+    assert not tuning.tuning_path(tmp_path / "x.so").exists()  # measured at a later start
+
+
+@needs_kernels
+def test_linear_follows_the_threshold_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 32, generator=gen)
+    panels, packed = kernels.pack_panels(weight), pack_weight(weight)
+    x = torch.randn(8, 32, generator=gen)
+    used: list[int] = []
+    real = kernels.small_gemm
+
+    def spy(a: torch.Tensor, p: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        used.append(a.shape[0])
+        return real(a, p, b)
+
+    monkeypatch.setattr(kernels, "small_gemm", spy)
+    try:
+        kernels.set_small_gemm_max_rows(8)
+        small = linear(x, weight, None, packed, panels)
+        kernels.set_small_gemm_max_rows(4)
+        large = linear(x, weight, None, packed, panels)
+    finally:
+        kernels.set_small_gemm_max_rows(None)
+    assert used == [8]  # the second call went to oneDNN
+    torch.testing.assert_close(small, x @ weight.T)
+    torch.testing.assert_close(large, x @ weight.T)
+    assert kernels.small_gemm_max_rows() == build.load_library().cbgen_small_gemm_max_rows()  # type: ignore[union-attr]
+
+
+@needs_kernels
+def test_apply_sets_the_threshold_and_the_start_up_line_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native = build.native_build()
+    assert native.path is not None
+    lib_copy = tmp_path / native.path.name
+    monkeypatch.setattr(
+        build, "native_build", lambda: build.Build(native.library, native.reason, lib_copy)
+    )
+    tuning.tuning_path(lib_copy).write_text(
+        json.dumps({"version": tuning.VERSION, "small_gemm_max_rows": 48, "source": "measured"})
+    )
+    monkeypatch.setenv("CBGEN_CPU_TUNING", "on")
+    monkeypatch.setattr(tuning, "_applied", [])
+    try:
+        got = tuning.apply()
+        assert got == tuning.Tuning(48, "measured") and kernels.small_gemm_max_rows() == 48
+        assert tuning.apply() is got and tuning.applied() is got
+        from cbgen.engine.engine import Engine
+
+        assert Engine._native_line().endswith(", small_gemm up to 48 rows (measured)")
+    finally:
+        kernels.set_small_gemm_max_rows(None)
