@@ -77,6 +77,9 @@ class EngineConfig:
     """Batch size of the static policy."""
     num_threads: int | None = None
     """CPU threads for torch. None: every core this process may use."""
+    enforce_eager: bool = False
+    """Run every step eagerly. Otherwise, on CUDA with the triton attention backend, decode-only
+    steps replay CUDA graphs captured at start-up, one per batch-size bucket."""
 
     def __post_init__(self) -> None:
         # types first, so that a wrong type is a ValueError naming the field, not a TypeError
@@ -85,7 +88,7 @@ class EngineConfig:
         for name in ("kv_cache_memory", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _int(getattr(self, name), name)
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false")
         _num(self.gpu_memory_utilization, "gpu_memory_utilization")
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
