@@ -15,13 +15,15 @@ SUPPORTED_ARCHITECTURES = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
 }
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
-    """llama | qwen2 | qwen3 (mistral and SmolLM2 are llama)."""
+    """llama | qwen2 | qwen3 | qwen3_moe | mixtral (mistral and SmolLM2 are llama)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,6 +46,17 @@ class ModelConfig:
     """Tokens a query may look back in the layers that use a window (Mistral's sliding_window;
     Qwen2/3's with use_sliding_window, in the layers from max_window_layers on); None: none.
     cbgen's attention has no window yet, so the engine keeps sequences within it."""
+    num_experts: int = 0
+    """Experts in each sparse (mixture-of-experts) layer; 0: every layer is a dense MLP."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (the router's top k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's intermediate size."""
+    norm_topk_prob: bool = True
+    """Rescale a token's top-k routing weights to sum to 1 (Mixtral always; Qwen3-MoE as set)."""
+    dense_layers: tuple[int, ...] = ()
+    """The layers of a mixture-of-experts model that have a dense MLP of intermediate_size
+    (Qwen3-MoE's mlp_only_layers and those off its decoder_sparse_step)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -54,15 +67,23 @@ class ModelConfig:
             return [self.eos_token_id]
         return list(self.eos_token_id)
 
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether the layer routes tokens to experts instead of one dense MLP."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     def num_parameters(self, include_embeddings: bool = True) -> int:
+        """Every parameter, each expert's included (all of them sit in memory)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        per_layer = h * (q + 2 * kv) + q * h + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
         if self.qk_norm:
             per_layer += 2 * d
+        sparse = sum(self.is_sparse_layer(n) for n in range(self.num_hidden_layers))
+        experts = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # + the router
         n = self.num_hidden_layers * per_layer + h
+        n += (self.num_hidden_layers - sparse) * 3 * h * i + sparse * experts
         if include_embeddings:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return n
@@ -109,11 +130,12 @@ class ModelConfig:
             max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
             attention_bias=kind == "qwen2" or _bool(cfg, "attention_bias"),
-            qk_norm=kind == "qwen3",
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
             bos_token_id=_token_id(cfg, "bos_token_id"),
             eos_token_id=_token_ids(cfg, "eos_token_id"),
             sliding_window=_sliding_window(cfg, model_type),
             extra={"hf_model_type": model_type},
+            **_experts(cfg, model_type),
         )
 
     @classmethod
@@ -181,6 +203,37 @@ def _token_ids(cfg: dict[str, Any], key: str) -> int | list[int] | None:
             raise ValueError(f"{key!r} must be a token id or a list of them, got {_show(value)}")
         return value
     return _token_id(cfg, key)
+
+
+def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields: Mixtral's every layer is sparse, with experts of
+    intermediate_size, always renormalised; Qwen3-MoE's as decoder_sparse_step, mlp_only_layers,
+    moe_intermediate_size and norm_topk_prob say. Dense families get none."""
+    if model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    layers = _int(cfg, "num_hidden_layers")
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    experts = _int(cfg, key)
+    top_k = _int(cfg, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"'num_experts_per_tok' ({top_k}) is more than {key!r} ({experts})")
+    if model_type == "mixtral":
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=_int(cfg, "intermediate_size"),
+        )
+    step = _int(cfg, "decoder_sparse_step", 1)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(type(n) is int and n >= 0 for n in only):
+        raise ValueError(f"'mlp_only_layers' must be a list of layer numbers, got {_show(only)}")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=_int(cfg, "moe_intermediate_size"),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob"),
+        dense_layers=tuple(n for n in range(layers) if n in only or (n + 1) % step),
+    )
 
 
 _ROPE_FIELDS = {
@@ -256,15 +309,18 @@ BUILTIN_SHAPES: dict[str, ModelConfig] = {
 
 def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     """The window where transformers applies one: Mistral whenever sliding_window is set;
-    Qwen2/Qwen3 only with use_sliding_window, in layers max_window_layers and up; Llama never."""
+    Qwen2/Qwen3 only with use_sliding_window, in layers max_window_layers and up; Qwen3-MoE
+    with use_sliding_window, in every layer; Mixtral as Mistral; Llama never."""
     window = cfg.get("sliding_window")
     if window is None:
+        return None
+    if model_type == "qwen3_moe" and not cfg.get("use_sliding_window"):
         return None
     if model_type in ("qwen2", "qwen3"):
         layers = _int(cfg, "num_hidden_layers")
         first = cfg.get("max_window_layers", layers)
         if not cfg.get("use_sliding_window") or (type(first) is int and first >= layers):
             return None
-    elif model_type != "mistral":
+    elif model_type not in ("mistral", "mixtral", "qwen3_moe"):
         return None
     return _int(cfg, "sliding_window")

@@ -154,12 +154,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp
+        """The feed-forward block: mlp(x, ops) -> [T, hidden]."""
 
 
 class CausalLM(nn.Module):
@@ -169,7 +170,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.make_mlp(cfg, n)) for n in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.ops: Ops = TORCH_OPS
@@ -182,6 +185,10 @@ class CausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """Layer `layer`'s feed-forward block (a mixture-of-experts model routes some)."""
+        return MLP(cfg)
 
     @property
     def decoder_layers(self) -> Sequence[DecoderLayer]:

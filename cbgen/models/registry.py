@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from cbgen.models.config import ModelConfig
 from cbgen.models.llama import CausalLM
+from cbgen.models.moe import MoeCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": CausalLM,
     "qwen2": CausalLM,
     "qwen3": CausalLM,
+    "qwen3_moe": MoeCausalLM,
+    "mixtral": MoeCausalLM,
 }
 
 
