@@ -432,8 +432,8 @@ def test_triton_engine_split_kv_decodes_match_torch(tiny_model_dir: Callable[[st
     seen: list[int] = []
     original = split.forward
 
-    def spy(*args: Any) -> torch.Tensor:
-        out = original(*args)
+    def spy(*args: Any, **options: Any) -> torch.Tensor:
+        out = original(*args, **options)
         seen.append(args[4].state.num_splits)
         return out
 

@@ -1,14 +1,32 @@
-"""Models with a sliding window: no attention path of cbgen applies one yet, so the engine keeps
-every sequence within the window (where windowed attention is full attention) instead of
-computing something else past it."""
+"""Sliding windows and logit soft-capping.
+
+- where transformers applies a window, per layer (Mistral: every layer; Qwen2/3: from
+  max_window_layers on, or as layer_types says);
+- every attention backend against a direct torch computation of the rule (a query at p sees keys
+  p - W < j <= p; scores s become c * tanh(s / c) before the mask), on a mixed batch whose blocks
+  wholly before each window hold NaN, so that a backend reading them (even masked) fails;
+- whole engines token-for-token against transformers (eager attention, float32, greedy) past
+  the window, with chunked prefill and prefix caching: a tiny Mistral (window 16) and a tiny
+  Qwen2 whose upper layers alone are windowed.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cbgen.attention import AttentionBackend, AttentionMetadata
+from cbgen.attention.cpu_backend import CpuAttentionBackend
+from cbgen.attention.torch_backend import TorchAttentionBackend
 from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
@@ -17,21 +35,7 @@ from cbgen.models.config import ModelConfig
 WINDOW = 16
 
 
-def _tiny_mistral(folder: Path) -> Path:
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    cfg = MistralConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, sliding_window=WINDOW,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.2)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+# ---- configuration ------------------------------------------------------------------------------
 
 
 def test_where_transformers_applies_a_window() -> None:
@@ -39,51 +43,251 @@ def test_where_transformers_applies_a_window() -> None:
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         vocab_size=256, sliding_window=32,
     )  # fmt: skip
-    window = {
-        t: ModelConfig.from_hf_dict(dict(base, model_type=t, **extra)).sliding_window
-        for t, extra in [
-            ("mistral", {}),
-            ("llama", {}),  # Llama ignores the key
-            ("qwen2", {"use_sliding_window": False}),
-            ("qwen2", {"use_sliding_window": True, "max_window_layers": 4}),  # no layer left
-        ]
-    }
-    assert window == {"mistral": 32, "llama": None, "qwen2": None}
-    qwen = dict(base, model_type="qwen3", use_sliding_window=True, max_window_layers=2)
-    assert ModelConfig.from_hf_dict(qwen).sliding_window == 32
-    assert ModelConfig.from_hf_dict(dict(qwen, max_window_layers=0)).sliding_window == 32
+
+    def windows(model_type: str, **extra: Any) -> tuple[int | None, ...]:
+        return ModelConfig.from_hf_dict(dict(base, model_type=model_type, **extra)).layer_windows
+
+    assert windows("mistral") == (32,) * 4
+    assert windows("mistral", layer_types=["full_attention"] * 4) == (32,) * 4  # ignored there
+    assert windows("llama") == (None,) * 4  # Llama ignores the key
+    assert windows("qwen2", use_sliding_window=False, max_window_layers=1) == (None,) * 4
+    assert windows("qwen2", use_sliding_window=True, max_window_layers=4) == (None,) * 4
+    assert windows("qwen2", use_sliding_window=True, max_window_layers=1) == (None, 32, 32, 32)
+    assert windows("qwen3", use_sliding_window=True, max_window_layers=0) == (32,) * 4
+    types = ["sliding_attention", "full_attention"] * 2
+    assert windows("qwen2", use_sliding_window=True, max_window_layers=2, layer_types=types) == (
+        32, None, 32, None,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="'layer_types' must name"):
+        windows("qwen2", use_sliding_window=True, max_window_layers=2, layer_types=types[:3])
 
 
-def test_sequences_stay_within_the_window_and_match_transformers(tmp_path: Path) -> None:
+# ---- backends against the rule, computed directly ------------------------------------------------
+
+BLOCK = 4
+HEADS, KV_HEADS, DIM = 4, 2, 16
+SEQS = [(37, 1), (9, 1), (30, 7), (0, 11), (21, 5), (3, 1)]
+"""(cached context, new query tokens) of each sequence of the mixed batch."""
+
+
+def _batch() -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A mixed batch over a shuffled paged cache (block 0 left unused, all zeros): metadata,
+    query, new key and value, and the cache with every context key written."""
+    g = torch.Generator().manual_seed(0)
+    lens = [c + q for c, q in SEQS]
+    need = [-(-n // BLOCK) for n in lens]
+    ids = (torch.randperm(sum(need), generator=g) + 1).tolist()
+    table = torch.zeros(len(SEQS), max(need), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(ids[at : at + n])
+        at += n
+    cache = torch.zeros(2, sum(need) + 1, BLOCK, KV_HEADS, DIM)
+    slots = []
+    for i, (ctx, q) in enumerate(SEQS):
+        for p in range(ctx + q):
+            slot = int(table[i, p // BLOCK]) * BLOCK + p % BLOCK
+            if p < ctx:
+                cache.view(2, -1, KV_HEADS, DIM)[:, slot] = torch.randn(
+                    2, KV_HEADS, DIM, generator=g
+                )
+            else:
+                slots.append(slot)
+    total = sum(q for _, q in SEQS)
+    qsl = torch.tensor([0] + [q for _, q in SEQS]).cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=table,
+        max_query_len=max(q for _, q in SEQS),
+        max_seq_len=max(lens),
+        block_size=BLOCK,
+    )
+    query = torch.randn(total, HEADS, DIM, generator=g) * 2
+    key = torch.randn(total, KV_HEADS, DIM, generator=g) * 2
+    value = torch.randn(total, KV_HEADS, DIM, generator=g)
+    return meta, query, key, value, cache
+
+
+def _direct(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The rule, one query at a time: keys p - W < j <= p, scores capped before the softmax."""
+    out = torch.empty_like(query)
+    group = HEADS // KV_HEADS
+    for i, (ctx, q) in enumerate(SEQS):
+        start = int(meta.query_start_loc[i])
+        for t in range(q):
+            p = ctx + t
+            first = 0 if window is None else max(0, p - window + 1)
+            slots = [
+                int(meta.block_table[i, j // BLOCK]) * BLOCK + j % BLOCK
+                for j in range(first, p + 1)
+            ]
+            k = cache[0].reshape(-1, KV_HEADS, DIM)[slots].double()
+            v = cache[1].reshape(-1, KV_HEADS, DIM)[slots].double()
+            for h in range(HEADS):
+                s = (k[:, h // group] @ query[start + t, h].double()) * scale
+                if softcap is not None:
+                    s = softcap * torch.tanh(s / softcap)
+                out[start + t, h] = (s.softmax(0) @ v[:, h // group]).float()
+    return out
+
+
+def _poison_outside(cache: torch.Tensor, meta: AttentionMetadata, window: int) -> None:
+    """NaN in every block wholly before the first key the sequence's first query sees."""
+    for i, (ctx, _) in enumerate(SEQS):
+        first_key = max(0, ctx - window + 1)
+        for b in range(first_key // BLOCK):
+            cache[:, int(meta.block_table[i, b])] = float("nan")
+
+
+BACKENDS = ["torch", "cpu"]
+
+
+def _backend(name: str) -> AttentionBackend:
+    if name == "cpu":
+        return CpuAttentionBackend()
+    return TorchAttentionBackend()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(5, None), (8, None), (None, 1.5), (6, 2.0), (64, None)]
+)
+def test_backend_applies_the_window_and_the_cap(
+    name: str, window: int | None, softcap: float | None
+) -> None:
+    backend = _backend(name)
+    assert backend.unsupported(window is not None, softcap is not None) is None
+    meta, query, key, value, cache = _batch()
+    if window is not None:
+        _poison_outside(cache, meta, window)
+    backend.prepare(meta)
+    out = backend.forward(
+        query, key, value, cache, meta, 0.3, sliding_window=window, logit_softcap=softcap
+    )
+    assert not out.isnan().any()
+    want = _direct(query, cache, meta, 0.3, window, softcap)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # and the same batch without the options is the plain causal attention
+    if window is None:
+        meta, query, key, value, cache = _batch()
+        backend.prepare(meta)
+        plain = backend.forward(query, key, value, cache, meta, 0.3)
+        torch.testing.assert_close(plain, _direct(query, cache, meta, 0.3, None, None))
+        assert not torch.allclose(plain, out)
+
+
+# ---- whole engines against transformers ------------------------------------------------------------
+
+
+def _save(model: Any, folder: Path) -> Path:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=256, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    tie_word_embeddings=False,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    cfg = MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **SHAPE)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return _save(model, tmp_path_factory.mktemp("mistral"))
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=12, max_window_layers=1,
+        **SHAPE,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return _save(model, tmp_path_factory.mktemp("qwen2"))
+
+
+PROMPTS = [
+    list(range(30, 53)),  # 23 tokens
+    [5, 9, 33, 7, 100, 4, 8, 8, 61, 12] * 4 + [17, 250],  # 42
+    [5, 9, 33, 7, 100, 4, 8, 8, 61, 12] * 4 + [3, 90, 11, 6, 6, 201, 44],  # same first 40
+    [200, 3, 3, 17, 250, 11, 8, 90, 61, 12] * 5 + [7, 7, 7, 77, 70, 71, 72],  # 57
+]
+
+
+def _transformers_tokens(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    folder = _tiny_mistral(tmp_path / "mistral")
-    engine = Engine(
-        model=str(folder), device="cpu", dtype="float32", kv_cache_memory=8 << 20, num_threads=1
-    )
-    assert engine.max_model_len == WINDOW
-    with pytest.raises(ValueError, match=r"exceeds the model's sliding window \(16 tokens\)"):
-        Engine(
-            model=str(folder),
-            device="cpu",
-            dtype="float32",
-            max_model_len=64,
-            kv_cache_memory=8 << 20,
-        )
-
-    prompts = [[5, 9, 33, 7, 100, 4], [200, 3, 3, 17, 250, 11, 8, 90, 61, 12], list(range(30, 53))]
-    params = SamplingParams(temperature=0, max_tokens=WINDOW - 10, ignore_eos=True)
-    outs = LLM(engine=engine).generate(prompts, params)
     hf = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     )
     hf.generation_config.eos_token_id = None  # as ignore_eos: go on past EOS, unmasked
-    for prompt, out in zip(prompts[:2], outs[:2], strict=True):
+    out = []
+    for prompt in prompts:
         ids = torch.tensor([prompt])
-        want = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(out.output_token_ids),
-            do_sample=False, pad_token_id=0,
-        )[0, len(prompt):].tolist()  # fmt: skip
-        assert out.output_token_ids == want
-    assert outs[0].finish_reason == "length" and len(outs[0].output_token_ids) == 6
-    assert outs[2].finish_reason == "error" and "max_model_len" in (outs[2].error or "")
+        full = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+        out.append(full[0, len(prompt) :].tolist())
+    return out
+
+
+def _cbgen_tokens(folder: Path, backend: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    engine = Engine(
+        model=str(folder), device="cpu", dtype="float32", kv_cache_memory=4 << 20, num_threads=1,
+        attention_backend=backend, block_size=4, max_num_batched_tokens=24, max_num_seqs=3,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outs = LLM(engine=engine).generate(prompts, params)
+    assert engine.kv.num_hits > 0  # the shared and the repeated prompts hit the cache
+    return [o.output_token_ids for o in outs]
+
+
+ENGINE_BACKENDS = ["torch", "cpu"]
+
+
+@pytest.mark.parametrize("backend", ENGINE_BACKENDS)
+def test_mistral_past_the_window_matches_transformers(mistral: Path, backend: str) -> None:
+    prompts = [*PROMPTS, PROMPTS[1]]  # the repeat is served from the prefix cache
+    got = _cbgen_tokens(mistral, backend, prompts, 20)
+    assert got == _transformers_tokens(mistral, prompts, 20)
+
+
+@pytest.mark.parametrize("backend", ENGINE_BACKENDS)
+def test_qwen2_with_windowed_upper_layers_matches_transformers(qwen2: Path, backend: str) -> None:
+    assert ModelConfig.from_json(qwen2 / "config.json").layer_windows == (None, 12, 12)
+    got = _cbgen_tokens(qwen2, backend, PROMPTS, 16)
+    assert got == _transformers_tokens(qwen2, PROMPTS, 16)
+
+
+def test_a_backend_that_cannot_apply_the_window_is_refused(
+    mistral: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        TorchAttentionBackend, "unsupported", lambda self, window, cap: "no windows here"
+    )
+    with pytest.raises(ValueError, match="attention_backend: no windows here"):
+        Engine(model=str(mistral), device="cpu", dtype="float32", attention_backend="torch")

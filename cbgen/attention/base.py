@@ -7,6 +7,19 @@ Every backend does the same two things, in two calls:
     forward(...)    once per layer: write the new K/V at meta.slot_mapping, then attend every
                     query token to its sequence's cached context, causal inside its own chunk
 
+Two options of a layer change what a query sees (both are arguments of forward, so layers of
+one model may differ, as Gemma 2's sliding and full layers do):
+
+    sliding_window W    a query at absolute position p attends to the keys at positions j with
+                        p - W < j <= p: itself and the W - 1 before it (transformers'
+                        sliding_window_overlay: kv_idx > q_idx - sliding_window, as Mistral and
+                        Gemma 2 mask). Keys before p - W + 1 are never read, so a backend starts
+                        at the window's first block and a decode costs O(W), not O(p); the
+                        blocks before may have been handed to other sequences meanwhile.
+    logit_softcap c     each score s = scale * q.k becomes c * tanh(s / c), before the mask and
+                        the softmax (Gemma 2's attn_logit_softcapping)
+
+A backend that cannot apply one says so at start-up (unsupported), never computes without it.
 The index layout of the flat batch and of the paged cache is drawn in torch_backend.
 """
 
@@ -40,6 +53,11 @@ class AttentionBackend(ABC):
     name: str
     """What --attention-backend calls it."""
 
+    def unsupported(self, sliding_window: bool, logit_softcap: bool) -> str | None:
+        """Why this backend cannot run layers with a sliding window / logit soft-capping (the
+        ones asked for), or None when it can."""
+        return None
+
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build this step's shared index work into meta.state."""
@@ -53,7 +71,11 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Write key, value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at
         meta.slot_mapping (negative slots skipped), then return the attention of query
-        [T, H, D] over the cache: [T, H, D]."""
+        [T, H, D] over the cache: [T, H, D]. sliding_window, logit_softcap: see the module
+        docstring (None: full attention, no capping)."""

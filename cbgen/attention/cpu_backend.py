@@ -170,10 +170,17 @@ class CpuAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         plan: CpuPlan = meta.state
         if not kernels.write_kv_f32(key, value, kv_cache, meta.slot_mapping):
             torch_backend.write_kv_cache(
                 key, value, kv_cache, meta.slot_mapping, plan.reference.may_have_negative
+            )
+        if sliding_window is not None or logit_softcap is not None:
+            return torch_backend.attend(
+                query, kv_cache, plan.reference, scale, sliding_window, logit_softcap
             )
         return attend(query, kv_cache, plan, scale)

@@ -81,6 +81,11 @@ class FlashAttentionBackend(AttentionBackend):
         except ImportError:
             self.write_kv = torch_backend.write_kv_cache
 
+    def unsupported(self, sliding_window: bool, logit_softcap: bool) -> str | None:
+        if sliding_window or logit_softcap:
+            return "flash does not apply sliding windows or logit soft-capping yet; use torch"
+        return None
+
     def prepare(self, meta: AttentionMetadata) -> None:
         # The paged kernel reads pages of 16-token multiples (vLLM's layout rule for it).
         why = flash_fits(None, meta.block_size)
@@ -96,7 +101,13 @@ class FlashAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
+        why = self.unsupported(sliding_window is not None, logit_softcap is not None)
+        if why is not None:
+            raise ValueError(f"attention_backend: {why}")
         why = flash_fits(query.dtype, None)
         if why is not None:
             raise ValueError(

@@ -68,6 +68,11 @@ class TritonAttentionBackend(AttentionBackend):
         self.min_keys_per_split = min_keys_per_split
         self.max_splits = max_splits
 
+    def unsupported(self, sliding_window: bool, logit_softcap: bool) -> str | None:
+        if sliding_window or logit_softcap:
+            return "triton does not apply sliding windows or logit soft-capping yet; use torch"
+        return None
+
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.state = TritonPlan(decode_only=meta.max_query_len == 1)
 
@@ -91,7 +96,13 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
+        why = self.unsupported(sliding_window is not None, logit_softcap is not None)
+        if why is not None:
+            raise ValueError(f"attention_backend: {why}")
         k = self.kernels
         k.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         plan: TritonPlan = meta.state

@@ -84,16 +84,11 @@ class Engine:
         self.model_config = load_model_config(self.source)
         mc = self.model_config
         limit = mc.max_position_embeddings
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            # No attention path applies a window yet; within it, windowed attention is full
-            # attention, so sequences are kept within it rather than computed wrongly past it.
-            limit = mc.sliding_window
-            why = f"the model's sliding window ({limit} tokens), which cbgen does not apply yet"
-        else:
-            why = f"the model's limit of {limit}"
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
-            raise ValueError(f"max_model_len: {self.max_model_len} exceeds {why}")
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's limit of {limit}"
+            )
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a prompt must fit in one step's budget.
             self.max_prompt_len = config.max_num_batched_tokens
@@ -102,6 +97,11 @@ class Engine:
         self.backend = get_attention_backend(
             config.attention_backend, self.device, self.dtype, config.block_size
         )
+        why = self.backend.unsupported(
+            mc.sliding_window is not None, mc.attn_logit_softcap is not None
+        )
+        if why is not None:  # never attend without what the model's layers ask for
+            raise ValueError(f"attention_backend: {why} (the model {self.source.name} needs it)")
         self.tokenizer: Any
         self.model: CausalLM
         if share_weights_with is not None:

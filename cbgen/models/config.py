@@ -43,9 +43,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     sliding_window: int | None = None
-    """Tokens a query may look back in the layers that use a window (Mistral's sliding_window;
-    Qwen2/3's with use_sliding_window, in the layers from max_window_layers on); None: none.
-    cbgen's attention has no window yet, so the engine keeps sequences within it."""
+    """Keys a query sees, itself included, in the layers that use a window (Mistral's
+    sliding_window; Qwen2/3's with use_sliding_window); None: no layer has one."""
+    layer_types: tuple[str, ...] | None = None
+    """transformers' per-layer "sliding_attention" / "full_attention" (Qwen2/3 from
+    max_window_layers, Gemma 2 alternating); None: every layer takes sliding_window (Mistral).
+    See layer_windows."""
+    attn_logit_softcap: float | None = None
+    """Attention scores s become c * tanh(s / c) with this c (Gemma 2's attn_logit_softcapping);
+    None: no capping."""
     num_experts: int = 0
     """Experts in each sparse (mixture-of-experts) layer; 0: every layer is a dense MLP."""
     num_experts_per_tok: int = 0
@@ -58,6 +64,16 @@ class ModelConfig:
     """The layers of a mixture-of-experts model that have a dense MLP of intermediate_size
     (Qwen3-MoE's mlp_only_layers and those off its decoder_sparse_step)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None where the layer attends to every earlier token."""
+        n = self.num_hidden_layers
+        if self.sliding_window is None:
+            return (None,) * n
+        if self.layer_types is None:
+            return (self.sliding_window,) * n
+        return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -134,6 +150,7 @@ class ModelConfig:
             bos_token_id=_token_id(cfg, "bos_token_id"),
             eos_token_id=_token_ids(cfg, "eos_token_id"),
             sliding_window=_sliding_window(cfg, model_type),
+            layer_types=_window_layer_types(cfg, model_type),
             extra={"hf_model_type": model_type},
             **_experts(cfg, model_type),
         )
@@ -324,3 +341,31 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     elif model_type not in ("mistral", "mixtral", "qwen3_moe"):
         return None
     return _int(cfg, "sliding_window")
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+"""transformers' layer_types entries."""
+_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+"""Families whose window, when set, is in every layer (transformers ignores their layer_types)."""
+
+
+def _window_layer_types(cfg: dict[str, Any], model_type: str) -> tuple[str, ...] | None:
+    """Which layers take the window _sliding_window found, as transformers' layer_types: Qwen2/3
+    by theirs, else from max_window_layers on; another family by its layer_types (checked: one
+    entry per layer); None (every layer) for Mistral, Mixtral and Qwen3-MoE, whose transformers
+    models ignore layer_types, and for a family without the list."""
+    if model_type in _EVERY_LAYER or _sliding_window(cfg, model_type) is None:
+        return None
+    layers = _int(cfg, "num_hidden_layers")
+    value = cfg.get("layer_types")
+    if value is None:
+        if model_type not in ("qwen2", "qwen3"):
+            return None
+        first = cfg.get("max_window_layers", layers)
+        return tuple(SLIDING if i >= first else FULL for i in range(layers))
+    if not isinstance(value, list) or len(value) != layers or not set(value) <= {SLIDING, FULL}:
+        raise ValueError(
+            f"'layer_types' must name {SLIDING!r} or {FULL!r} for each of the {layers} layers, "
+            f"got {_show(value)}"
+        )
+    return tuple(value)

@@ -112,6 +112,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.sliding_window: int | None = None
+        """This layer's window (ModelConfig.layer_windows), set by the model that holds it."""
+        self.logit_softcap = cfg.attn_logit_softcap
 
     def forward(
         self,
@@ -138,7 +141,16 @@ class Attention(nn.Module):
             q = qkv[:, :q_end].view(t, self.num_heads, self.head_dim)
             k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(t, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = backend.forward(
+            q,
+            k,
+            v,
+            kv_cache,
+            meta,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+        )
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -173,6 +185,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.make_mlp(cfg, n)) for n in range(cfg.num_hidden_layers)
         )
+        for layer, window in zip(self.decoder_layers, cfg.layer_windows, strict=True):
+            layer.self_attn.sliding_window = window
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.ops: Ops = TORCH_OPS
