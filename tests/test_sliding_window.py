@@ -28,6 +28,7 @@ from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.attention.cpu_backend import CpuAttentionBackend
 from cbgen.attention.torch_backend import TorchAttentionBackend
 from cbgen.config import SamplingParams
+from cbgen.cpu import kernels
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
 from cbgen.models.config import ModelConfig
@@ -65,8 +66,8 @@ def test_where_transformers_applies_a_window() -> None:
 # ---- backends against the rule, computed directly ------------------------------------------------
 
 BLOCK = 4
-HEADS, KV_HEADS, DIM = 4, 2, 16
-SEQS = [(37, 1), (9, 1), (30, 7), (0, 11), (21, 5), (3, 1)]
+HEADS, KV_HEADS, DIM = 4, 2, 64
+SEQS = [(37, 1), (9, 1), (30, 7), (0, 11), (150, 20), (21, 5), (90, 1), (3, 1)]
 """(cached context, new query tokens) of each sequence of the mixed batch."""
 
 
@@ -148,13 +149,32 @@ def _poison_outside(cache: torch.Tensor, meta: AttentionMetadata, window: int) -
             cache[:, int(meta.block_table[i, b])] = float("nan")
 
 
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", "cpu-decode-kernel", "cpu-prefill-kernel"]
 
 
-def _backend(name: str) -> AttentionBackend:
-    if name == "cpu":
-        return CpuAttentionBackend()
-    return TorchAttentionBackend()
+def _backend(name: str, monkeypatch: pytest.MonkeyPatch) -> AttentionBackend:
+    """The backend; the cpu one with each of its C kernels made to answer (counted)."""
+    if name == "torch":
+        return TorchAttentionBackend()
+    if kernels.load_library() is None:
+        pytest.skip("no C compiler: no kernels")
+    # every chunk to the decode kernel, or every chunk to the prefill kernel
+    rows = 1 << 30 if name == "cpu-decode-kernel" else 0
+    monkeypatch.setattr(kernels, "prefill_split", lambda: (rows, True))
+    kernel = "paged_decode_f32" if name == "cpu-decode-kernel" else "prefill_attention_f32"
+    original = getattr(kernels, kernel)
+
+    def counted(*args: Any) -> torch.Tensor | None:
+        out = original(*args)
+        assert out is not None
+        KERNEL_CALLS.append(kernel)
+        return out
+
+    monkeypatch.setattr(kernels, kernel, counted)
+    return CpuAttentionBackend()
+
+
+KERNEL_CALLS: list[str] = []
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -162,9 +182,10 @@ def _backend(name: str) -> AttentionBackend:
     ("window", "softcap"), [(5, None), (8, None), (None, 1.5), (6, 2.0), (64, None)]
 )
 def test_backend_applies_the_window_and_the_cap(
-    name: str, window: int | None, softcap: float | None
+    name: str, window: int | None, softcap: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = _backend(name)
+    KERNEL_CALLS.clear()
+    backend = _backend(name, monkeypatch)
     assert backend.unsupported(window is not None, softcap is not None) is None
     meta, query, key, value, cache = _batch()
     if window is not None:
@@ -176,6 +197,8 @@ def test_backend_applies_the_window_and_the_cap(
     assert not out.isnan().any()
     want = _direct(query, cache, meta, 0.3, window, softcap)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    if name.startswith("cpu"):  # the kernel did the work, not the torch path beside it
+        assert KERNEL_CALLS
     # and the same batch without the options is the plain causal attention
     if window is None:
         meta, query, key, value, cache = _batch()

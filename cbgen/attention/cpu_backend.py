@@ -9,6 +9,10 @@ cbgen.cpu.kernels doing the work in float32 (the auto choice on the CPU).
     larger chunks       the C prefill kernel over the chunk's gathered K/V, or torch's SDPA
                         where that kernel is the slower (AVX2 builds)
 
+A sliding window and logit soft-capping go into both kernels: each reads keys from the
+window's first block on (a decode costs O(window), whatever the sequence's length), and a
+chunk's K/V are gathered from its first query's window on.
+
 Small and large are told apart by the K/V rows a chunk's query tokens read in all (query_len x
 mean keys per query) against a threshold measured per ISA: kernels.prefill_split.
 
@@ -103,19 +107,31 @@ def plan_attention(
 
 
 def attend(
-    query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuPlan, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: CpuPlan,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of query [T, H, D] over the paged cache: the kernels in float32, the torch
     reference for the rest (see the module docstring)."""
+    window, cap = sliding_window, logit_softcap
     if not query.dtype == kv_cache.dtype == torch.float32:
-        return torch_backend.attend(query, kv_cache, plan.reference, scale)
+        return torch_backend.attend(query, kv_cache, plan.reference, scale, window, cap)
     nat = plan.native
     out: torch.Tensor | None = None
     prefills = nat.prefills
     if nat.tokens.numel():
         all_native = nat.tokens.shape[0] == query.shape[0]  # then row i is token i
         o = kernels.paged_decode_f32(
-            query if all_native else query[nat.tokens], kv_cache, nat.blocks, nat.seq_lens, scale
+            query if all_native else query[nat.tokens],
+            kv_cache,
+            nat.blocks,
+            nat.seq_lens,
+            scale,
+            window,
+            cap,
         )
         if o is not None and all_native:
             return o
@@ -123,23 +139,24 @@ def attend(
         if o is not None:
             out[nat.tokens] = o
         else:  # the kernel refused: decodes and small chunks go the reference's way
-            torch_backend.attend_decodes(query, kv_cache, plan.reference, scale, out)
+            torch_backend.attend_decodes(query, kv_cache, plan.reference, scale, out, window, cap)
             prefills = plan.reference.prefills
     if out is None:
         out = torch.empty_like(query)
     prefill_kernel = kernels.prefill_split()[1]
     for chunk in prefills:
-        start, end = chunk[0], chunk[1]
-        keys, values = torch_backend.gather_context(kv_cache, chunk)
+        start, end, seq_len, _ = chunk
+        first = torch_backend.first_window_block(seq_len, end - start, window, kv_cache.shape[2])
+        keys, values = torch_backend.gather_context(kv_cache, chunk, first)
         o = (
-            kernels.prefill_attention_f32(query[start:end], keys, values, scale)
+            kernels.prefill_attention_f32(query[start:end], keys, values, scale, window, cap)
             if prefill_kernel
             else None
         )
         out[start:end] = (
             o
             if o is not None
-            else torch_backend.attend_chunk(query[start:end], keys, values, scale)
+            else torch_backend.attend_chunk(query[start:end], keys, values, scale, window, cap)
         )
     return out
 
@@ -179,8 +196,4 @@ class CpuAttentionBackend(AttentionBackend):
             torch_backend.write_kv_cache(
                 key, value, kv_cache, meta.slot_mapping, plan.reference.may_have_negative
             )
-        if sliding_window is not None or logit_softcap is not None:
-            return torch_backend.attend(
-                query, kv_cache, plan.reference, scale, sliding_window, logit_softcap
-            )
-        return attend(query, kv_cache, plan, scale)
+        return attend(query, kv_cache, plan, scale, sliding_window, logit_softcap)

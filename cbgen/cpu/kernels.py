@@ -66,10 +66,14 @@ def paged_decode_f32(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor | None:
     """Decode attention, one query token per sequence: query [B, H, D] float32 (CPU),
     kv_cache [2, num_blocks, block_size, Hkv, D] contiguous, block_table [B, n] int32,
-    seq_lens [B] int32. None when the kernel is unavailable or cannot hold the shape."""
+    seq_lens [B] int32; with a sliding window, sequence b reads only its last sliding_window
+    keys (from their first block on), and logit_softcap caps the scores (see
+    cbgen.attention.base). None when the kernel is unavailable or cannot hold the shape."""
     _check("query", query, torch.float32, ("B", "H", "D"))
     b, h, d = query.shape
     _check("kv_cache", kv_cache, torch.float32, (2, "num_blocks", "block_size", "Hkv", d))
@@ -99,6 +103,8 @@ def paged_decode_f32(
         d,
         bs,
         scale,
+        _window(sliding_window),
+        _softcap(logit_softcap),
         out.data_ptr(),
     )
     if rc != 0:
@@ -402,12 +408,18 @@ def prefill_split() -> tuple[int, bool]:
 
 
 def prefill_attention_f32(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor | None:
     """Causal attention of a prompt chunk: query [Q, H, D] (float32, rows at positions
-    L - Q .. L - 1) over key, value [L, Hkv, D] (the chunk's cached context, then itself).
-    Out [Q, H, D]; None without the kernels or for what the kernel does not take (another
-    dtype, D other than 64 or 128)."""
+    L - Q .. L - 1) over key, value [L, Hkv, D] (the chunk's cached context, then itself; only
+    relative positions matter, so the keys may start anywhere at or before the first row's
+    window). Out [Q, H, D]; None without the kernels or for what the kernel does not take
+    (another dtype, D other than 64 or 128)."""
     if not query.dtype == key.dtype == value.dtype == torch.float32:
         return None
     _check("query", query, torch.float32, ("Q", "H", "D"))
@@ -439,8 +451,28 @@ def prefill_attention_f32(
         kv_heads,
         head_dim,
         scale,
+        _window(sliding_window),
+        _softcap(logit_softcap),
     )
     return None if rc else out
+
+
+def _window(sliding_window: int | None) -> int:
+    """The kernels' window argument: 0 for none."""
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window: must be >= 1, got {sliding_window}")
+    return sliding_window
+
+
+def _softcap(logit_softcap: float | None) -> float:
+    """The kernels' softcap argument: 0 for none."""
+    if logit_softcap is None:
+        return 0.0
+    if not logit_softcap > 0:
+        raise ValueError(f"logit_softcap: must be > 0, got {logit_softcap}")
+    return logit_softcap
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,12 @@
  *   block_table  [B, bt_stride] int32; token t of sequence b is at
  *                block block_table[b][t / bs], offset t % bs
  *   seq_lens     [B] int32; sequence b attends to tokens [0, seq_lens[b])
+ *   window       > 0: only to the last `window` of them, [seq_lens[b] - window, seq_lens[b])
+ *                (a sliding window; its query sits at seq_lens[b] - 1); 0: all
+ *   softcap      > 0: each score s (after scale) becomes softcap * tanh(s / softcap); 0: none
+ *
+ * Keys are read from the block of the window's first key on: the blocks before are never
+ * touched (they may belong to another sequence by now), so a decode costs O(window).
  *
  * Work item = (sequence, a range of KV heads): a whole batch of decodes is one item per
  * sequence, so each block is read as one contiguous run of bs * Hkv * D floats. The KV heads
@@ -212,17 +218,32 @@ static inline void prefetch_some(prefetcher *pf) {
     for (; pf->done < end; pf->done += 16) __builtin_prefetch(pf->cur + pf->done, 0, 1);
 }
 
+/* The first key sequence b attends to: seq_len - window under a window, else 0. */
+static inline int64_t first_key(int64_t seq_len, int64_t window) {
+    return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
+/* s = c * tanh(s / c) for n scores; returns their new max (tanh keeps the order) */
+static float softcap_scores(float *s, int64_t n, float c, float mx) {
+    const float inv = 1.0f / c;
+    for (int64_t t = 0; t < n; ++t) s[t] = c * tanhf(s[t] * inv);
+    return c * tanhf(mx * inv);
+}
+
 int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                            const int32_t *block_table, int64_t bt_stride,
                            const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv,
-                           int64_t D, int64_t bs, float scale, float *out) {
+                           int64_t D, int64_t bs, float scale, int64_t window, float softcap,
+                           float *out) {
     const int64_t G = H / Hkv;
     /* (the per-item arrays below hold up to MAX_HEADS query heads; past that, the caller's
      * torch path) */
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || G * Hkv != H || H > MAX_HEADS) return -1;
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < B; ++b)
-        if (seq_lens[b] > max_len) max_len = seq_lens[b];
+    int64_t max_len = 0; /* the most keys an item reads */
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t n = seq_lens[b] - first_key(seq_lens[b], window);
+        if (n > max_len) max_len = n;
+    }
     const int64_t tok_stride = Hkv * D;
     const int64_t blk_stride = bs * Hkv * D;
     const int64_t threads = omp_get_max_threads();
@@ -249,43 +270,54 @@ int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_
             const int64_t b = w / splits, s = w % splits;
             const int64_t h0 = s * Hkv / splits, h1 = (s + 1) * Hkv / splits;
             const int64_t nh = (h1 - h0) * G; /* query heads of this item */
-            const int64_t L = seq_lens[b];
-            const int64_t nblk = (L + bs - 1) / bs;
-            const int32_t *bt = block_table + b * bt_stride;
+            /* keys [k0, end) from block j0 on; scores[h * L + t - k0] is key t's
+             *   blocks:  ... | j0: .. k0 ........ | ........ | .. end - 1 |
+             */
+            const int64_t end = seq_lens[b], k0 = first_key(end, window), L = end - k0;
+            const int64_t j0 = k0 / bs, nblk = (end + bs - 1) / bs - j0;
+            const int32_t *bt = block_table + b * bt_stride + j0;
             const float *qb = q + (b * H + h0 * G) * D;
             float m[MAX_HEADS];
             prefetcher pf = {k_cache, v_cache, bt, NULL, nblk, 0, blk_stride, NULL, 0, 0};
             pf.slice = (blk_stride / nh + 15) / 16 * 16; /* a block per pass over the heads */
             if (w_next < items) {
                 const int64_t bn = w_next / splits;
-                pf.next_bt = block_table + bn * bt_stride;
-                pf.next_nblk = (seq_lens[bn] + bs - 1) / bs;
+                const int64_t jn = first_key(seq_lens[bn], window) / bs;
+                pf.next_bt = block_table + bn * bt_stride + jn;
+                pf.next_nblk = (seq_lens[bn] + bs - 1) / bs - jn;
             }
             for (int64_t h = 0; h < nh; ++h) m[h] = -INFINITY;
-            /* scores[h * L + t] = q_h . k_t * scale, block by block */
+            /* scores[h * L + t - k0] = q_h . k_t * scale, block by block; a block's rows
+             * [lo, hi) are its keys in [k0, end) */
             for (int64_t j = 0; j < nblk; ++j) {
-                const float *blk = k_cache + (int64_t)bt[j] * blk_stride;
-                const int64_t t0 = j * bs, nt = L - t0 < bs ? L - t0 : bs;
+                const int64_t base = (j0 + j) * bs;
+                const int64_t lo = j ? 0 : k0 - base, hi = end - base < bs ? end - base : bs;
+                const float *blk = k_cache + (int64_t)bt[j] * blk_stride + lo * tok_stride;
                 prefetch_target(&pf, j);
                 for (int64_t hk = h0; hk < h1; ++hk)
                     for (int64_t g = 0; g < G; ++g) {
                         const int64_t h = (hk - h0) * G + g;
                         prefetch_some(&pf);
-                        qk_block(qb + h * D, blk + hk * D, tok_stride, nt, D, scale,
-                                 scores + h * L + t0, m + h);
+                        qk_block(qb + h * D, blk + hk * D, tok_stride, hi - lo, D, scale,
+                                 scores + h * L + base + lo - k0, m + h);
                     }
             }
+            if (softcap > 0.0f)
+                for (int64_t h = 0; h < nh; ++h)
+                    m[h] = softcap_scores(scores + h * L, L, softcap, m[h]);
             float sum[MAX_HEADS];
             for (int64_t h = 0; h < nh; ++h) sum[h] = exp_sub_sum(scores + h * L, L, m[h]);
             memset(acc, 0, sizeof(float) * (size_t)(nh * D));
             for (int64_t j = 0; j < nblk; ++j) {
-                const float *blk = v_cache + (int64_t)bt[j] * blk_stride;
-                const int64_t t0 = j * bs, nt = L - t0 < bs ? L - t0 : bs;
+                const int64_t base = (j0 + j) * bs;
+                const int64_t lo = j ? 0 : k0 - base, hi = end - base < bs ? end - base : bs;
+                const int64_t nt = hi - lo;
+                const float *blk = v_cache + (int64_t)bt[j] * blk_stride + lo * tok_stride;
                 prefetch_target(&pf, nblk + j);
                 for (int64_t hk = h0; hk < h1; ++hk)
                     for (int64_t g = 0; g < G; ++g) {
                         const int64_t h = (hk - h0) * G + g;
-                        const float *p = scores + h * L + t0, *v0 = blk + hk * D;
+                        const float *p = scores + h * L + base + lo - k0, *v0 = blk + hk * D;
                         prefetch_some(&pf);
                         if (D == 64) pv_rows_8(p, v0, tok_stride, nt, acc + h * D);
                         else if (D == 128) pv_rows_16(p, v0, tok_stride, nt, acc + h * D);

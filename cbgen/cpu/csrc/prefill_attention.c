@@ -4,8 +4,9 @@
  *   k, v   [L, Hkv, D]  contiguous, L = ctx + Q: the chunk's cached context, then itself
  *   out    [Q, H, D]    rows `o_stride` floats apart
  *
- * Query row t sits at position ctx + t and sees keys 0 .. ctx + t. Query head h reads KV head
- * h / (H / Hkv). D is 64 or 128.
+ * Query row t sits at position ctx + t and sees keys 0 .. ctx + t; with a sliding window W > 0,
+ * only keys ctx + t - W + 1 .. ctx + t. Scores s (after scale) become softcap * tanh(s / softcap)
+ * where softcap > 0. Query head h reads KV head h / (H / Hkv). D is 64 or 128.
  *
  * K is first transposed per KV head ([Hkv][D][L], zero-padded to whole steps), so that the
  * scores of RB query rows against KT keys are a register tile of outer products: one
@@ -75,7 +76,7 @@ static inline float hsum16(v16 a) {
 
 static void item(const float *q, int64_t q_stride, const float *kt, int64_t lp, const float *v,
                  int64_t v_stride, float *out, int64_t o_stride, int64_t D, int64_t r0, int64_t nr,
-                 int64_t ctx, float scale) {
+                 int64_t ctx, float scale, int64_t window, float softcap) {
     float qb[RB][MAX_D] __attribute__((aligned(64)));
     float o[RB][MAX_D] __attribute__((aligned(64)));
     float p[RB][KC] __attribute__((aligned(64)));
@@ -87,7 +88,9 @@ static void item(const float *q, int64_t q_stride, const float *kt, int64_t lp, 
         l[r] = 0.0f;
     }
     const int64_t nkeys = ctx + r0 + nr; /* keys the block's last row sees */
-    for (int64_t j0 = 0; j0 < nkeys; j0 += KC) {
+    /* the first row's first key, rounded down to a step: the steps before see nothing */
+    const int64_t first = window > 0 && ctx + r0 >= window ? (ctx + r0 - window + 1) / KC * KC : 0;
+    for (int64_t j0 = first; j0 < nkeys; j0 += KC) {
         for (int64_t t0 = 0; t0 < KC && j0 + t0 < nkeys; t0 += KT) {
             v16 a0[RB], a1[RB];
             for (int r = 0; r < RB; ++r) a0[r] = a1[r] = (v16){0};
@@ -105,12 +108,19 @@ static void item(const float *q, int64_t q_stride, const float *kt, int64_t lp, 
                 *(v16 *)(p[r] + t0 + 16) = a1[r] * scale;
             }
         }
+        if (softcap > 0.0f) {
+            const float inv = 1.0f / softcap;
+            for (int r = 0; r < RB; ++r)
+                for (int j = 0; j < KC; ++j) p[r][j] = softcap * tanhf(p[r][j] * inv);
+        }
         for (int r = 0; r < RB; ++r) {
-            /* the row's last visible key in this step (rows past nr see none) */
+            /* the row's visible keys in this step, [lo, last] (rows past nr see none) */
             const int64_t last = r < nr ? ctx + r0 + r - j0 : -1;
+            const int64_t lo = window > 0 ? ctx + r0 + r - window + 1 - j0 : 0;
             if (last < KC - 1)
                 for (int64_t j = last + 1 > 0 ? last + 1 : 0; j < KC; ++j) p[r][j] = -INFINITY;
-            if (last < 0) {
+            for (int64_t j = 0; j < lo && j < KC; ++j) p[r][j] = -INFINITY;
+            if (last < 0 || lo >= KC) {
                 for (int j = 0; j < KC; ++j) p[r][j] = 0.0f;
                 continue;
             }
@@ -148,8 +158,9 @@ static void item(const float *q, int64_t q_stride, const float *kt, int64_t lp, 
 /* Returns 0, or -1 for a shape it does not take (D not 64 or 128, H not a multiple of Hkv). */
 int cbgen_prefill_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
                                 float *out, int64_t o_stride, int64_t Q, int64_t ctx, int64_t H,
-                                int64_t Hkv, int64_t D, float scale) {
-    if ((D != 64 && D != 128) || Hkv <= 0 || H % Hkv || Q <= 0 || ctx < 0) return -1;
+                                int64_t Hkv, int64_t D, float scale, int64_t window,
+                                float softcap) {
+    if ((D != 64 && D != 128) || Hkv <= 0 || H % Hkv || Q <= 0 || ctx < 0 || window < 0) return -1;
     const int64_t L = ctx + Q, lp = (L + KC - 1) / KC * KC, group = H / Hkv;
     float *kt = aligned_alloc(64, (size_t)(Hkv * D * lp) * sizeof(float));
     if (!kt) return -1;
@@ -166,7 +177,7 @@ int cbgen_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
         const int64_t b = blocks - 1 - it / H, h = it % H, hk = h / group; /* last rows first */
         const int64_t r0 = b * RB, nr = Q - r0 < RB ? Q - r0 : RB;
         item(q + h * D, q_stride, kt + hk * D * lp, lp, v + hk * D, Hkv * D, out + h * D, o_stride, D,
-             r0, nr, ctx, scale);
+             r0, nr, ctx, scale, window, softcap);
     }
     free(kt);
     return 0;
