@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20
 OpenAI's limit)."""
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+CpuWeightDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
 LoadFormat = Literal["auto", "dummy"]
@@ -59,6 +60,12 @@ class EngineConfig:
     """Longest prompt + output. None: the model's own limit."""
     dtype: Dtype = "auto"
     """Weights and activations: auto is float32 on the CPU, bfloat16 on CUDA."""
+    cpu_weight_dtype: CpuWeightDtype = "auto"
+    """On the CPU in float32: the dtype the weights are kept in. bfloat16 or float16 keep
+    them in half the memory of float32 (a sixth of float32 with its packed copies), each
+    matmul upcasting its weight as it runs, while activations, norms, attention and the KV
+    cache stay float32 (slower; the same tokens as float32 on those weights). auto: float32,
+    or the checkpoint's own bf16/fp16 when its float32 copy would not fit in memory."""
     device: Device = "auto"
     """auto picks CUDA when available."""
     attention_backend: AttentionBackendName = "auto"
@@ -119,6 +126,13 @@ class EngineConfig:
         )
         _choice(self.dtype, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _choice(self.device, "device", ("auto", "cpu", "cuda"))
+        _choice(self.cpu_weight_dtype, "cpu_weight_dtype", get_args(CpuWeightDtype))
+        _check(
+            self.cpu_weight_dtype == "auto"
+            or (self.dtype in ("auto", "float32") and self.device != "cuda"),
+            "cpu_weight_dtype",
+            f"applies to float32 on the CPU, not to dtype {self.dtype} on device {self.device}",
+        )
         _choice(self.attention_backend, "attention_backend", get_args(AttentionBackendName))
         _choice(self.load_format, "load_format", ("auto", "dummy"))
         _choice(self.scheduling_policy, "scheduling_policy", ("continuous", "static"))

@@ -23,7 +23,7 @@ from cbgen.cpu.build import native_status
 from cbgen.cpu.features import cpu_info
 from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.logprobs import TokenLogprob, with_text
-from cbgen.engine.memory import check_cpu_memory
+from cbgen.engine.memory import plan_cpu_weights
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
 from cbgen.engine.profile import profile_peak_memory
 from cbgen.engine.request import Request, RequestStatus
@@ -32,7 +32,13 @@ from cbgen.engine.scheduler import Scheduler, SchedulerOutput
 from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
 from cbgen.metrics import RequestMetrics
 from cbgen.models.llama import CausalLM
-from cbgen.models.loader import load_model, load_model_config, load_tokenizer, resolve_model
+from cbgen.models.loader import (
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_model,
+    stored_weight_dtype,
+)
 
 logger = logging.getLogger("cbgen")
 
@@ -104,6 +110,9 @@ class Engine:
             raise ValueError(f"attention_backend: {why} (the model {self.source.name} needs it)")
         self.tokenizer: Any
         self.model: CausalLM
+        self.weight_dtype = self.dtype
+        """The weights' storage: the dtype, or on the CPU in float32 a half dtype that each
+        matmul upcasts (cbgen.engine.memory.plan_cpu_weights)."""
         if share_weights_with is not None:
             other = share_weights_with
             if (other.source, other.dtype, other.device) != (self.source, self.dtype, self.device):
@@ -113,10 +122,13 @@ class Engine:
             if other.max_model_len < self.max_model_len:
                 raise ValueError("share_weights_with: the other engine has a shorter max_model_len")
             self.tokenizer, self.model = other.tokenizer, other.model
+            self.weight_dtype = other.weight_dtype
         else:
             if self.device.type == "cpu":
-                available = psutil.virtual_memory().available
-                check_cpu_memory(mc, self.dtype, available, self.source.name)
+                stored = stored_weight_dtype(self.source, config.load_format)
+                self.weight_dtype = plan_cpu_weights(
+                    mc, self.dtype, config.cpu_weight_dtype, stored, self.source.name
+                )
             self.tokenizer = load_tokenizer(self.source)
             self.model = load_model(
                 self.source,
@@ -126,6 +138,7 @@ class Engine:
                 self.max_model_len,
                 config.load_format,
                 config.seed,
+                self.weight_dtype,
             )
         self._bad_words_ids: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
         self.load_time_s = time.perf_counter() - t0
@@ -227,11 +240,19 @@ class Engine:
             f"model {self.source.name}"
             + ("" if self.source.commit is None else f"@{self.source.commit[:12]}")
             + f" ({self.model_config.model_type}, "
-            f"{self.model_config.num_parameters() / 1e6:.0f}M params) on {self.device} {str(self.dtype).removeprefix('torch.')}, "
+            f"{self.model_config.num_parameters() / 1e6:.0f}M params) on {self.device} {str(self.dtype).removeprefix('torch.')}"
+            + self._weight_storage()
+            + ", "
             f"attention {self.backend.name}; KV cache {self.num_blocks} blocks x {self.config.block_size} "
             f"tokens = {tokens} tokens ({self.num_blocks * self.kv_bytes_per_block / GiB:.2f} GiB), "
             f"room for {tokens // self.max_model_len}+ sequences at max_model_len {self.max_model_len}"
         ) + (f"; {cpu_info().describe()}; {self._native_line()}" if self.device.type == "cpu" else "")
+
+    def _weight_storage(self) -> str:
+        if self.weight_dtype == self.dtype:
+            return ""
+        name = str(self.weight_dtype).removeprefix("torch.")
+        return f" (weights kept in {name}, upcast per matmul)"
 
     @staticmethod
     def _native_line() -> str:

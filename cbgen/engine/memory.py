@@ -1,14 +1,35 @@
 """Will the model fit? Checked on the CPU before any weight is allocated, so a model too big
 for the machine is one clear error at start-up, not a swap storm or an out-of-memory kill
-halfway through loading. (On CUDA the KV cache is sized by a profiling pass instead.)"""
+halfway through loading. (On CUDA the KV cache is sized by a profiling pass instead.)
+
+The CPU computes in float32 (dtype auto) with each matmul weight kept three times (the
+checkpoint's values and two packed copies). A checkpoint stored in bf16 or fp16 whose float32
+copy would not fit keeps its half-precision weights instead, upcast per layer as they are used
+(cbgen.cpu.linear.upcast_linear): the same float32 arithmetic on the same values, in a sixth
+of the memory, at a speed cost. Only when even that does not fit is the model refused.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import psutil
 import torch
 
 from cbgen.models.config import ModelConfig
 
 GiB = 1 << 30
+MiB = 1 << 20
+_HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_CGROUP_UNLIMITED = 1 << 60
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
 
 def cpu_model_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -19,19 +40,122 @@ def cpu_model_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
     return 3 * weights if dtype == torch.float32 else weights
 
 
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _stat_value(stat: Path, key: str) -> int:
+    try:
+        for line in stat.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def _own_cgroups(proc_cgroup: Path) -> dict[str, str]:
+    """This process's cgroup paths from /proc/self/cgroup: "" for v2, "memory" for v1."""
+    paths: dict[str, str] = {}
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return paths
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(","):
+            paths[controller] = path.lstrip("/")
+    return paths
+
+
+# (folder under the cgroup root, the controller's key in /proc/self/cgroup, limit, usage,
+# the page cache the kernel drops before it kills, which usage counts)
+_CGROUP_FILES = (
+    ("", "", "memory.max", "memory.current", "inactive_file"),
+    ("memory", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+)
+
+
+def cgroup_available(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> int | None:
+    """What this process's memory cgroup (a container, a Slurm job) still allows, or None
+    without a limit: limit - usage + reclaimable page cache, cgroup v2 or v1. The cgroup is
+    looked up by this process's path and, inside a container (where the mount is its own
+    cgroup), at the mount itself."""
+    own = _own_cgroups(proc_cgroup)
+    for mount, key, limit_name, usage_name, cache_key in _CGROUP_FILES:
+        base = root / mount
+        folders = [base / own[key], base] if own.get(key) else [base]
+        for folder in folders:
+            limit = _read_int(folder / limit_name)
+            usage = _read_int(folder / usage_name)
+            if limit is not None and usage is not None and limit < _CGROUP_UNLIMITED:
+                cache = _stat_value(folder / "memory.stat", cache_key)
+                return max(0, limit - usage + cache)
+    return None
+
+
+def available_memory() -> int:
+    """Bytes this process can still allocate without swapping: the OS's available memory, or
+    less where a cgroup limit says so."""
+    available = int(psutil.virtual_memory().available)
+    limit = cgroup_available()
+    return available if limit is None else min(available, limit)
+
+
 def check_cpu_memory(mc: ModelConfig, dtype: torch.dtype, available: int, name: str) -> None:
     """ValueError naming what the weights need when they cannot fit in `available` bytes (the
     KV cache has its own check, once the weights are in)."""
     need = cpu_model_bytes(mc, dtype)
     if need <= available:
         return
-    kind = str(dtype).removeprefix("torch.")
     hint = ""
     if dtype == torch.float32:
-        smaller = cpu_model_bytes(mc, torch.bfloat16)
-        hint = f": use --dtype bfloat16 (about {smaller / GiB:.1f} GiB) or a smaller model"
+        smaller = _size(cpu_model_bytes(mc, torch.bfloat16))
+        hint = (
+            f": use --dtype bfloat16 (about {smaller}), --cpu-weight-dtype bfloat16 "
+            f"(float32 arithmetic on bf16 weights, about {smaller}) or a smaller model"
+        )
     packed = " and their packed copies" if dtype == torch.float32 else ""
     raise ValueError(
-        f"model {name} needs about {need / GiB:.1f} GiB of memory in {kind} on the CPU "
-        f"(weights{packed}), and {available / GiB:.1f} GiB is available{hint}"
+        f"model {name} needs about {_size(need)} of memory in {_dtype_name(dtype)} on the "
+        f"CPU (weights{packed}), and {_size(available)} is available{hint}"
+    )
+
+
+def plan_cpu_weights(
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    weight_dtype: str,
+    stored: torch.dtype | None,
+    name: str,
+) -> torch.dtype:
+    """The dtype the matmul weights are kept in on the CPU, checked against available_memory():
+    the engine dtype, or a half dtype under float32 arithmetic when asked for (`weight_dtype`,
+    EngineConfig.cpu_weight_dtype) or, with "auto", when the checkpoint is `stored` in one and
+    its float32 copy would not fit. ValueError naming what is needed when nothing fits."""
+    available = available_memory()
+    if dtype != torch.float32 or weight_dtype == "float32":
+        check_cpu_memory(mc, dtype, available, name)
+        return dtype
+    if weight_dtype in _HALF:
+        check_cpu_memory(mc, _HALF[weight_dtype], available, name)
+        return _HALF[weight_dtype]
+    if stored is None or stored not in _HALF.values() or cpu_model_bytes(mc, dtype) <= available:
+        check_cpu_memory(mc, dtype, available, name)
+        return dtype
+    half = cpu_model_bytes(mc, stored)
+    if half <= available:
+        return stored
+    raise ValueError(
+        f"model {name} needs about {_size(cpu_model_bytes(mc, dtype))} of memory on the CPU in "
+        f"float32 (weights and their packed copies) and about {_size(half)} with its "
+        f"{_dtype_name(stored)} weights kept as stored, and {_size(available)} is available: "
+        "use a smaller model or a machine with more memory"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import shutil
 import tempfile
 from collections import deque
@@ -31,7 +32,12 @@ from cbgen.attention.triton_backend import triton_available
 from cbgen.config import DEFAULT_MODEL
 from cbgen.cpu import tuning
 from cbgen.cpu.kernels import fused_ops_available
-from cbgen.cpu.linear import Bf16Head, bf16_matmul_fast, onednn_packing_available
+from cbgen.cpu.linear import (
+    Bf16Head,
+    bf16_matmul_fast,
+    onednn_packing_available,
+    store_weights_in,
+)
 from cbgen.cpu.ops import CPU_OPS
 from cbgen.models.config import BUILTIN_SHAPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from cbgen.models.errors import ModelFileError, one_line, read_json_object
@@ -283,22 +289,49 @@ def iter_gguf_weights(reader: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str,
             yield pending.popleft().result()
 
 
-def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every file's header is checked before the first tensor is read, so a broken shard
-    fails before any loading."""
-    from safetensors import SafetensorError, safe_open
-
+def _safetensors_files(folder: str) -> list[Path]:
+    """The weight files, each with its header checked: with an index, only the shards it
+    names (a folder may hold other copies of the weights)."""
     shards = shard_files(Path(folder))
     if shards is None and (Path(folder) / "model.safetensors.index.json").exists():
         raise ModelFileError(
             f"{Path(folder) / 'model.safetensors.index.json'}: no weight_map of file names"
         )
-    # with an index, only the shards it names (a folder may hold other copies of the weights)
     files = (
         [Path(folder) / f for f in shards] if shards else sorted(Path(folder).glob("*.safetensors"))
     )
     for file in files:
         check_safetensors(file)
+    return files
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def stored_weight_dtype(source: ModelSource, load_format: str = "auto") -> torch.dtype | None:
+    """The dtype most of a safetensors checkpoint's weights are stored in, read from the
+    headers alone; None for GGUF files (dequantized to float32) and dummy weights."""
+    if source.kind != "hf" or load_format == "dummy":
+        return None
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    for file in _safetensors_files(source.path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                part = f.get_slice(name)
+                kind = part.get_dtype()
+                counts[kind] = counts.get(kind, 0) + math.prod(part.get_shape())
+    most = max(counts, key=counts.__getitem__, default=None)
+    return _SAFETENSORS_DTYPES.get(most) if most is not None else None
+
+
+def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every file's header is checked before the first tensor is read, so a broken shard
+    fails before any loading."""
+    from safetensors import SafetensorError, safe_open
+
+    files = _safetensors_files(folder)
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -349,11 +382,15 @@ def load_model(
     max_positions: int,
     load_format: str = "auto",
     seed: int = 0,
+    weight_dtype: torch.dtype | None = None,
 ) -> CausalLM:
     """Allocate the model on the device in the engine dtype without initialising it, then
-    fill it; RoPE tables stay float32."""
+    fill it; RoPE tables stay float32. weight_dtype (CPU): the matmul weights and embedding
+    kept in this half dtype instead, upcast as they are used (cbgen.cpu.linear)."""
     with _uninitialized(dtype, device):
         model = build_model(cfg, max_positions)
+    if weight_dtype is not None and weight_dtype != dtype:
+        store_weights_in(model, weight_dtype)
     model.rope.build()
     if load_format == "dummy" or source.kind == "shape":
         _init_dummy(model, seed)
@@ -380,6 +417,8 @@ def load_model(
         if native:
             model.ops = CPU_OPS
             tuning.apply()
+        if model.head_weight.dtype != dtype:
+            return model  # weights kept in a half dtype: no packed float32 copies of them
         model.pack_linear_weights(onednn=onednn_packing_available(), panels=native)
         if native and bf16_matmul_fast():
             model.bf16_head = Bf16Head(model.head_weight.data)
