@@ -74,6 +74,47 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         rope_theta=10000.0,
     ),
+    # GeGLU, (1 + w) norms, four per layer, embedding scale; soft-capped scores and logits;
+    # query_pre_attn_scalar != head_dim; sliding and full layers alternating; untied (a tied
+    # head, Gemma's default, picks the last token again and again with these weights)
+    "gemma2": dict(
+        model_type="gemma2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=8.0,
+        sliding_window=8,
+    ),
+    # Q/K norm; a local RoPE base for sliding layers, linear scaling on full ones; two
+    # sliding layers per full one; untied
+    "gemma3": dict(
+        model_type="gemma3_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        query_pre_attn_scalar=32,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=100.0,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        sliding_window_pattern=3,
+        sliding_window=12,
+    ),
 }
 
 

@@ -24,9 +24,10 @@ from typing import Any
 
 import pytest
 
-from cbgen.attention import AttentionBackend, AttentionMetadata
+from cbgen.attention import AttentionBackend, AttentionMetadata, select
 from cbgen.attention.cpu_backend import CpuAttentionBackend
 from cbgen.attention.torch_backend import TorchAttentionBackend
+from cbgen.attention.triton_backend import TritonAttentionBackend, TritonPlan
 from cbgen.config import SamplingParams
 from cbgen.cpu import kernels
 from cbgen.engine.engine import Engine
@@ -149,13 +150,20 @@ def _poison_outside(cache: torch.Tensor, meta: AttentionMetadata, window: int) -
             cache[:, int(meta.block_table[i, b])] = float("nan")
 
 
-BACKENDS = ["torch", "cpu-decode-kernel", "cpu-prefill-kernel"]
+BACKENDS = ["torch", "cpu-decode-kernel", "cpu-prefill-kernel", "triton", "triton-split-kv"]
 
 
 def _backend(name: str, monkeypatch: pytest.MonkeyPatch) -> AttentionBackend:
-    """The backend; the cpu one with each of its C kernels made to answer (counted)."""
+    """The backend; the cpu one with each of its C kernels made to answer (counted); triton
+    (on the CPU under the Triton interpreter) plain or with its keys split in three ranges."""
     if name == "torch":
         return TorchAttentionBackend()
+    if name.startswith("triton"):
+        if not select.triton_interpreted() and not torch.cuda.is_available():
+            pytest.skip("triton needs CUDA or its interpreter")
+        if name == "triton":
+            return TritonAttentionBackend()
+        return _SplitEveryStep(num_sms=64, min_keys_per_split=8, max_splits=3)
     if kernels.load_library() is None:
         pytest.skip("no C compiler: no kernels")
     # every chunk to the decode kernel, or every chunk to the prefill kernel
@@ -175,6 +183,13 @@ def _backend(name: str, monkeypatch: pytest.MonkeyPatch) -> AttentionBackend:
 
 
 KERNEL_CALLS: list[str] = []
+
+
+class _SplitEveryStep(TritonAttentionBackend):
+    """Split-KV on mixed batches too (the kernel is correct for any batch)."""
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.state = TritonPlan(decode_only=True)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -278,6 +293,8 @@ def _transformers_tokens(folder: Path, prompts: list[list[int]], n: int) -> list
 
 
 def _cbgen_tokens(folder: Path, backend: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    if backend == "triton" and not select.triton_interpreted():
+        pytest.skip("triton runs on the CPU only under its interpreter")
     engine = Engine(
         model=str(folder), device="cpu", dtype="float32", kv_cache_memory=4 << 20, num_threads=1,
         attention_backend=backend, block_size=4, max_num_batched_tokens=24, max_num_seqs=3,
@@ -289,7 +306,7 @@ def _cbgen_tokens(folder: Path, backend: str, prompts: list[list[int]], n: int) 
     return [o.output_token_ids for o in outs]
 
 
-ENGINE_BACKENDS = ["torch", "cpu"]
+ENGINE_BACKENDS = ["torch", "cpu", "triton"]
 
 
 @pytest.mark.parametrize("backend", ENGINE_BACKENDS)

@@ -7,6 +7,7 @@ per step, by the first layer, and reused by the others:
     long enough to share out (choose_num_splits): the split-KV (flash-decoding) kernel, whose
     float32 workspace is allocated once per step and reused by every layer;
   - any other decode-only batch: the plain launch.
+Sliding windows and logit soft-capping go to the kernels as arguments of each layer's launch.
 """
 
 from __future__ import annotations
@@ -68,11 +69,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.min_keys_per_split = min_keys_per_split
         self.max_splits = max_splits
 
-    def unsupported(self, sliding_window: bool, logit_softcap: bool) -> str | None:
-        if sliding_window or logit_softcap:
-            return "triton does not apply sliding windows or logit soft-capping yet; use torch"
-        return None
-
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.state = TritonPlan(decode_only=meta.max_query_len == 1)
 
@@ -100,9 +96,6 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
     ) -> torch.Tensor:
-        why = self.unsupported(sliding_window is not None, logit_softcap is not None)
-        if why is not None:
-            raise ValueError(f"attention_backend: {why}")
         k = self.kernels
         k.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         plan: TritonPlan = meta.state
@@ -117,6 +110,8 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens,
                 scale,
                 max_query_len=meta.max_query_len,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         num_tokens, num_heads, head_dim = query.shape
         if plan.workspace is None or not plan.workspace.fits(
@@ -135,4 +130,6 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=plan.num_splits,
             max_query_len=meta.max_query_len,
             workspace=plan.workspace,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from cbgen.cpu import kernels
+from cbgen.models.ops import TORCH_OPS
 
 
 class CpuOps:
@@ -31,6 +32,10 @@ class CpuOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """No kernel of its own: the reference's."""
+        return TORCH_OPS.gelu_tanh_mul(gate_up)
 
 
 CPU_OPS = CpuOps()

@@ -17,13 +17,17 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
 }
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
-    """llama | qwen2 | qwen3 | qwen3_moe | mixtral (mistral and SmolLM2 are llama)."""
+    """llama | qwen2 | qwen3 | qwen3_moe | mixtral | gemma2 | gemma3 (mistral and SmolLM2 are
+    llama)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,6 +67,14 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()
     """The layers of a mixture-of-experts model that have a dense MLP of intermediate_size
     (Qwen3-MoE's mlp_only_layers and those off its decoder_sparse_step)."""
+    # Gemma 2 / Gemma 3 (cbgen.models.gemma); other families leave these None
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)."""
+    final_logit_softcap: float | None = None
+    """Each logit x becomes c * tanh(x / c) (Gemma 2's final_logit_softcapping)."""
+    local_rope_theta: float | None = None
+    """The RoPE base of the sliding-window layers, which take no rope scaling (Gemma 3); None:
+    every layer uses rope_theta and rope_scaling."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -115,6 +127,8 @@ class ModelConfig:
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         kind = SUPPORTED_ARCHITECTURES[model_type]
+        if kind in ("gemma2", "gemma3"):
+            cfg = _gemma_config(cfg, model_type)
         heads = _int(cfg, "num_attention_heads")
         hidden = _int(cfg, "hidden_size")
         kv_heads = _int(cfg, "num_key_value_heads", heads)
@@ -146,13 +160,14 @@ class ModelConfig:
             max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
             attention_bias=kind == "qwen2" or _bool(cfg, "attention_bias"),
-            qk_norm=kind in ("qwen3", "qwen3_moe"),
+            qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3"),
             bos_token_id=_token_id(cfg, "bos_token_id"),
             eos_token_id=_token_ids(cfg, "eos_token_id"),
             sliding_window=_sliding_window(cfg, model_type),
             layer_types=_window_layer_types(cfg, model_type),
             extra={"hf_model_type": model_type},
             **_experts(cfg, model_type),
+            **_gemma(cfg, kind),
         )
 
     @classmethod
@@ -253,6 +268,83 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     )
 
 
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(
+        head_dim=256, max_position_embeddings=8192, tie_word_embeddings=True,
+        query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=2,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    ),
+    "gemma3_text": dict(
+        head_dim=256, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+        sliding_window=4096, sliding_window_pattern=6,
+    ),
+}  # fmt: skip
+"""transformers' Gemma2Config / Gemma3TextConfig defaults of the fields a config.json may
+leave out (the soft-capping fields are null there to switch capping off)."""
+
+
+def _gemma_config(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A Gemma config.json in the form the common fields are read in: transformers' defaults for
+    the fields it leaves out, and Gemma 3's RoPE per layer type (rope_parameters with
+    full_attention and sliding_attention) as the full layers' rope_parameters plus
+    rope_local_base_freq. A multimodal Gemma 3 (model_type gemma3) is refused."""
+    if model_type == "gemma3":
+        raise ValueError(
+            "model_type 'gemma3' is Gemma 3 with its vision encoder (Gemma3ForConditionalGeneration); "
+            "cbgen runs the text-only Gemma 3 (model_type 'gemma3_text', Gemma3ForCausalLM)"
+        )
+    cfg = {**_GEMMA_DEFAULTS[model_type], **cfg}
+    params = _dict(cfg, "rope_parameters")
+    if params is not None and {"full_attention", "sliding_attention"} & params.keys():
+        local = _dict(params, "sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"rope_parameters.sliding_attention: rope type {local['rope_type']!r} is not "
+                "supported (default is)"
+            )
+        cfg["rope_parameters"] = _dict(params, "full_attention")
+        cfg["rope_local_base_freq"] = local.get("rope_theta", cfg.get("rope_local_base_freq"))
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"'hidden_activation' {_show(cfg['hidden_activation'])} is not supported "
+            "(gelu_pytorch_tanh is)"
+        )
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("'use_bidirectional_attention': cbgen runs causal models only")
+    layers = _int(cfg, "num_hidden_layers")
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = _int(cfg, "sliding_window_pattern")
+        types = [SLIDING if (n + 1) % pattern else FULL for n in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= {SLIDING, FULL}:
+        raise ValueError(
+            f"'layer_types' must name {SLIDING!r} or {FULL!r} for each of the {layers} layers, "
+            f"got {_show(types)}"
+        )
+    if SLIDING not in types:
+        cfg["sliding_window"] = None  # no window anywhere: every layer takes the full RoPE
+    elif cfg.get("sliding_window") is None:
+        raise ValueError("'sliding_window' is null, but 'layer_types' has sliding_attention layers")
+    return {**cfg, "layer_types": types}
+
+
+def _gemma(cfg: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The Gemma fields of ModelConfig, from a config _gemma_config has completed."""
+    if kind not in ("gemma2", "gemma3"):
+        return {}
+    caps = {
+        key: None if cfg.get(key) is None else _number(cfg, key, 0.0)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping")
+    }
+    return dict(
+        query_pre_attn_scalar=_number(cfg, "query_pre_attn_scalar", 0.0),
+        attn_logit_softcap=caps["attn_logit_softcapping"],
+        final_logit_softcap=caps["final_logit_softcapping"],
+        local_rope_theta=_number(cfg, "rope_local_base_freq", 0.0) if kind == "gemma3" else None,
+    )
+
+
 _ROPE_FIELDS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -327,7 +419,8 @@ BUILTIN_SHAPES: dict[str, ModelConfig] = {
 def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     """The window where transformers applies one: Mistral whenever sliding_window is set;
     Qwen2/Qwen3 only with use_sliding_window, in layers max_window_layers and up; Qwen3-MoE
-    with use_sliding_window, in every layer; Mixtral as Mistral; Llama never."""
+    with use_sliding_window, in every layer; Mixtral as Mistral; Gemma 2/3 in their
+    sliding_attention layers (_gemma_config); Llama never."""
     window = cfg.get("sliding_window")
     if window is None:
         return None
@@ -338,7 +431,7 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
         first = cfg.get("max_window_layers", layers)
         if not cfg.get("use_sliding_window") or (type(first) is int and first >= layers):
             return None
-    elif model_type not in ("mistral", "mixtral", "qwen3_moe"):
+    elif model_type not in ("mistral", "mixtral", "qwen3_moe", "gemma2", "gemma3_text"):
         return None
     return _int(cfg, "sliding_window")
 

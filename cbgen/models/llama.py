@@ -178,12 +178,15 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Decoder-only LM. forward() returns hidden states; compute_logits() the LM head."""
 
+    layer_class: type[DecoderLayer] = DecoderLayer
+    """What each layer is (a family with more per layer subclasses DecoderLayer)."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.make_mlp(cfg, n)) for n in range(cfg.num_hidden_layers)
+            self.layer_class(cfg, self.make_mlp(cfg, n)) for n in range(cfg.num_hidden_layers)
         )
         for layer, window in zip(self.decoder_layers, cfg.layer_windows, strict=True):
             layer.self_attn.sliding_window = window

@@ -42,6 +42,11 @@ class Ops(Protocol):
         """SiLU(gate) * up for gate_up = [gate | up] along the last dimension."""
         ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GELU(gate) * up, GELU in its tanh approximation (GeGLU: Gemma), for gate_up as in
+        silu_mul."""
+        ...
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Computed in float32 and cast back, as the reference implementations do."""
@@ -82,6 +87,10 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 TORCH_OPS = TorchOps()

@@ -5,6 +5,7 @@ loading entry points, so the engine never asks which family it runs."""
 from __future__ import annotations
 
 from cbgen.models.config import ModelConfig
+from cbgen.models.gemma import GemmaForCausalLM
 from cbgen.models.llama import CausalLM
 from cbgen.models.moe import MoeCausalLM
 
@@ -12,6 +13,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": CausalLM,
     "qwen2": CausalLM,
     "qwen3": CausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
     "qwen3_moe": MoeCausalLM,
     "mixtral": MoeCausalLM,
 }

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from cbgen.models.ops import TORCH_OPS
+
 
 class TritonOps:
     name = "triton"
@@ -40,3 +42,7 @@ class TritonOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """No kernel of its own: the reference's."""
+        return TORCH_OPS.gelu_tanh_mul(gate_up)

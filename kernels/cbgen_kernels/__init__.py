@@ -7,6 +7,7 @@ with the PyPI package `kernels`, which transformers probes for).
     add_rmsnorm_              residual += h in place, then RMSNorm(residual) * weight
     rope_                     rotate_half RoPE in place on (strided) q/k rows, tables gathered
     silu_mul                  SiLU(gate) * up over [gate | up]
+    grouped_moe               expert MLPs over tokens sorted by expert (mixture of experts)
 
 The attention kernels have the signatures of their torch references in
 cbgen.attention.torch_backend; the element-wise ones compute what cbgen.models.ops.TorchOps
@@ -25,6 +26,7 @@ from cbgen_kernels.attention import (
 )
 from cbgen_kernels.cache import write_kv_cache
 from cbgen_kernels.elementwise import rope_, silu_mul
+from cbgen_kernels.moe import grouped_moe
 from cbgen_kernels.norm import add_rmsnorm_
 from cbgen_kernels.rounding import INTERPRETED
 
@@ -41,6 +43,7 @@ __all__ = [
     "add_rmsnorm_",
     "choose_config",
     "choose_num_splits",
+    "grouped_moe",
     "interpreted",
     "num_sms",
     "paged_attention",

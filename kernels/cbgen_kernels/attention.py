@@ -7,8 +7,13 @@ form. Same contract as cbgen.attention.torch_backend.paged_attention:
         key positions:  0 ............ context_len ............ seq_len
                         |<-- cached context -->|<-- query_len new -->|
         query j of the chunk (0 <= j < query_len) sees keys [0, context_len + j]
+        (with a sliding window W > 0: keys (context_len + j - W, context_len + j] only)
 
     key p of sequence i lives at block block_table[i, p // block_size], offset p % block_size.
+
+A sliding window and logit soft-capping (cbgen.attention.base) are runtime arguments (0: none):
+a program starts at its first row's first key, so the blocks before are never read, and scores
+s become softcap * tanh(s / softcap) before the mask.
 
 Work split. One program owns a *tile*: BLOCK_Q consecutive query tokens of one sequence and
 the GROUP query heads that share one KV head (GQA by head grouping), i.e. BLOCK_M >= BLOCK_Q *
@@ -29,9 +34,11 @@ table (a key tile may span several pages), in float32, base 2 (scale folded with
 Split-KV (flash-decoding): with NUM_SPLITS > 1 the keys of each sequence are cut into
 NUM_SPLITS ranges of equal length (a multiple of BLOCK_N); program (tile, head, s) attends to
 range s only and writes its normalised partial output and its log-sum-exp. A merge kernel
-combines them: out = sum_s exp2(lse_s - max) * out_s / sum_s exp2(lse_s - max). A range a row
-cannot see (past its causal limit) leaves lse = -inf and weighs nothing; range 0 always holds
-key 0, which every query sees, so the merge never divides by zero.
+combines them: out = sum_s exp2(lse_s - max) * out_s / sum_s exp2(lse_s - max). Under a
+window the ranges cut [first key of the tile's first row, seq_len) instead. A range a row
+cannot see (past its causal limit, or before its window) leaves lse = -inf and weighs nothing;
+the range holding the row's own key always has keys it sees, so the merge never divides by
+zero.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import triton.language as tl
 from cbgen_kernels.rounding import INTERPRETED
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)
 MASKED = tl.constexpr(-1.0e30)
 """Score of an invisible key: finite, so a row that sees no key in a range yields exp2(0) terms
 that the visibility mask zeroes, never inf - inf."""
@@ -70,6 +78,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale_log2,
+    window,
+    softcap,
     num_seqs,
     stride_q_tok,
     stride_q_head,
@@ -136,18 +146,22 @@ def _paged_attention_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
-    # Causal limit of each row: it sees keys [0, q_pos] with q_pos its absolute position.
+    # Causal limit of each row: it sees keys [0, q_pos] with q_pos its absolute position, and
+    # under a window only those past q_pos - window (past -1 without one).
     q_pos = context_len + q_idx
+    q_floor = tl.where(window > 0, q_pos - window, -1)
 
-    # Keys this program visits: [kv_lo, kv_hi). The tile's last row sees up to
-    # context_len + first_q + BLOCK_Q - 1, and nobody sees past seq_len - 1.
+    # Keys this program visits: [kv_lo, kv_hi). The tile's first row sees from kv_first on,
+    # its last row up to context_len + first_q + BLOCK_Q - 1, and nobody past seq_len - 1.
+    kv_first = tl.where(window > 0, tl.maximum(context_len + first_q - window + 1, 0), 0)
     kv_end = tl.minimum(seq_len, context_len + first_q + BLOCK_Q)
     if NUM_SPLITS == 1:
-        kv_lo = seq_len * 0
+        kv_lo = kv_first
         kv_hi = kv_end
     else:
-        per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        kv_lo = split * per_split
+        span = seq_len - kv_first
+        per_split = ((span + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        kv_lo = kv_first + split * per_split
         kv_hi = tl.minimum(kv_end, kv_lo + per_split)
 
     m_i = tl.full([BLOCK_M], MASKED, dtype=tl.float32)
@@ -171,7 +185,13 @@ def _paged_attention_kernel(
             other=0.0,
         )  # [BLOCK_N, DIM_PAD]
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-        visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        if softcap > 0:
+            # in natural units: c * tanh(x / c), tanh(y) = 1 - 2 / (exp(2y) + 1) (no overflow)
+            y = s * (1.0 / (LOG2E_C * softcap))
+            s = (softcap * LOG2E_C) * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+        visible = (
+            key_ok[None, :] & (keys[None, :] <= q_pos[:, None]) & (keys[None, :] > q_floor[:, None])
+        )
         s = tl.where(visible, s, MASKED)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -321,6 +341,8 @@ def _launch(
     cfg: LaunchConfig,
     out: torch.Tensor,
     lse: torch.Tensor | None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     """One launch of the attention kernel; out is [T, H, D] (no split) or [S, T, H, D] float32."""
     num_tokens, num_heads, num_kv_heads, head_dim = _check_inputs(query, kv_cache)
@@ -342,6 +364,8 @@ def _launch(
         query_start_loc,
         seq_lens,
         scale * LOG2E,
+        sliding_window or 0,
+        float(logit_softcap or 0.0),
         num_seqs,
         query.stride(0),
         query.stride(1),
@@ -388,9 +412,12 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of query [T, H, D] over the paged cache, one launch for the whole mixed batch.
-    max_query_len (host int) picks the tile shape; without it it is read from query_start_loc."""
+    max_query_len (host int) picks the tile shape; without it it is read from query_start_loc.
+    sliding_window, logit_softcap: as cbgen.attention.base (None: none)."""
     num_tokens, num_heads, num_kv_heads, head_dim = _check_inputs(query, kv_cache)
     if out is None:
         out = torch.empty_like(query)
@@ -399,7 +426,19 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = _max_query_len(query_start_loc)
     cfg = choose_config(num_heads, num_kv_heads, head_dim, max_query_len)
-    _launch(query, kv_cache, block_table, query_start_loc, seq_lens, scale, cfg, out, None)
+    _launch(
+        query,
+        kv_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        scale,
+        cfg,
+        out,
+        None,
+        sliding_window,
+        logit_softcap,
+    )
     return out
 
 
@@ -438,6 +477,8 @@ def paged_attention_split_kv(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     workspace: SplitWorkspace | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """paged_attention with the keys of every sequence cut into num_splits ranges attended in
     parallel, then merged by log-sum-exp (flash-decoding). Meant for decode-only batches of a
@@ -452,8 +493,11 @@ def paged_attention_split_kv(
     if max_query_len is None:
         max_query_len = _max_query_len(query_start_loc)
     cfg = choose_config(num_heads, num_kv_heads, head_dim, max_query_len, num_splits)
+    options = (sliding_window, logit_softcap)
     if num_splits == 1:
-        _launch(query, kv_cache, block_table, query_start_loc, seq_lens, scale, cfg, out, None)
+        _launch(
+            query, kv_cache, block_table, query_start_loc, seq_lens, scale, cfg, out, None, *options
+        )
         return out
     if workspace is None or not workspace.fits(num_splits, num_tokens, num_heads, head_dim):
         workspace = SplitWorkspace.allocate(
@@ -469,6 +513,7 @@ def paged_attention_split_kv(
         cfg,
         workspace.partial,
         workspace.lse,
+        *options,
     )
     part, lse = workspace.partial, workspace.lse
     _merge_splits_kernel[(num_tokens, num_heads)](

@@ -37,7 +37,7 @@ def _signature(fn: Any, pointers: dict[str, str], constexprs: dict[str, Any]) ->
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = pointers[name]
-        elif name.startswith("scale") or name == "eps":
+        elif name.startswith("scale") or name in ("eps", "softcap"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
