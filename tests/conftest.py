@@ -74,6 +74,63 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         rope_theta=10000.0,
     ),
+    # fused qkv_proj and gate_up_proj in the checkpoint, a sliding window in every layer (as
+    # Phi-3-mini-4k), GQA 4:2 (Phi-3-medium), untied
+    "phi3": dict(
+        model_type="phi3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        sliding_window=48,
+    ),
+    # LongRoPE past 64 positions, the original Phi-3 spelling of it (Phi-3-mini-128k, Phi-3.5)
+    "phi3_longrope": dict(
+        model_type="phi3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        max_position_embeddings=512,
+        original_max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0, 1.05, 1.2, 1.5, 2.0, 2.5, 3.0, 3.5],
+            "long_factor": [1.0, 1.5, 3.0, 6.0, 10.0, 16.0, 24.0, 32.0],
+        },
+    ),
+    # RoPE on 12 of each head's 16 dims, with LongRoPE; GQA 6:2, tied (Phi-4-mini)
+    "phi4_mini": dict(
+        model_type="phi3",
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        original_max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.75,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.8, 2.4, 3.0],
+            "long_factor": [1.0, 2.0, 5.0, 9.0, 17.0, 30.0],
+        },
+    ),
     # GeGLU, (1 + w) norms, four per layer, embedding scale; soft-capped scores and logits;
     # query_pre_attn_scalar != head_dim; sliding and full layers alternating; untied (a tied
     # head, Gemma's default, picks the last token again and again with these weights)

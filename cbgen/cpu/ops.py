@@ -28,6 +28,10 @@ class CpuOps:
 
     def rope_(self, x: torch.Tensor, num_heads: int, head_dim: int, tables: Any) -> None:
         positions, cos, sin = tables
+        if 2 * cos.shape[1] < head_dim:  # partial rotary: the kernel turns whole heads only
+            torch_tables = TORCH_OPS.rope_tables(cos, sin, positions, x.dtype)
+            TORCH_OPS.rope_(x, num_heads, head_dim, torch_tables)
+            return
         kernels.rope_(x, num_heads, head_dim, positions, cos, sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

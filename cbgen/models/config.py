@@ -4,6 +4,7 @@ built-in shape name. Only architectures cbgen implements are accepted."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ SUPPORTED_ARCHITECTURES = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "phi3": "phi3",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
     "gemma2": "gemma2",
@@ -38,6 +40,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    """The share of each head's dims that RoPE turns, the first ones (Phi-4-mini: 0.75); the
+    rest pass through. See rotary_dim."""
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -86,6 +91,12 @@ class ModelConfig:
         if self.layer_types is None:
             return (self.sliding_window,) * n
         return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims at the start of each head that RoPE turns (transformers' int(head_dim *
+        partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -144,7 +155,7 @@ class ModelConfig:
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
         if rope_scaling is not None:
-            rope_scaling = _rope_scaling(rope_scaling)
+            rope_scaling = _rope_scaling(rope_scaling, cfg)
         return cls(
             model_type=kind,
             vocab_size=_int(cfg, "vocab_size"),
@@ -157,6 +168,7 @@ class ModelConfig:
             rms_norm_eps=_number(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            partial_rotary_factor=_partial_rotary_factor(cfg),
             max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
             attention_bias=kind == "qwen2" or _bool(cfg, "attention_bias"),
@@ -348,14 +360,19 @@ def _gemma(cfg: dict[str, Any], kind: str) -> dict[str, Any]:
 _ROPE_FIELDS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": (),  # checked by _longrope
 }
 """The rope scaling types cbgen implements (rope_inv_freq) and the numbers each needs."""
 
 
-def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
+def _rope_scaling(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any] | None:
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("su", "yarn") and cfg.get("model_type") == "phi3":
+        kind = "longrope"  # early Phi-3 configs' names, read so by transformers' Phi3Config
     if kind in (None, "default"):
         return None
+    if kind == "longrope":
+        return _longrope(scaling, cfg)
     if kind not in _ROPE_FIELDS:
         raise ValueError(
             f"rope scaling {kind!r} is not supported ({', '.join(['default', *_ROPE_FIELDS])} are)"
@@ -365,6 +382,58 @@ def _rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
             raise ValueError(f"rope scaling {kind!r} needs {key!r}")
         _number(scaling, key, 0.0)
     return scaling
+
+
+def _partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    """Phi-3's partial_rotary_factor, from its rope dict or else the top level (transformers'
+    precedence); 1 for other families, whose transformers models turn whole heads."""
+    if cfg.get("model_type") != "phi3":
+        return 1.0
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    source = rope if isinstance(rope, dict) and "partial_rotary_factor" in rope else cfg
+    factor = _number(source, "partial_rotary_factor", 1.0)
+    head_dim = _int(cfg, "head_dim", _int(cfg, "hidden_size") // _int(cfg, "num_attention_heads"))
+    rotary = int(head_dim * factor)
+    if factor > 1 or rotary < 2 or rotary % 2:
+        raise ValueError(
+            f"'partial_rotary_factor' {factor} must turn an even number of a head's {head_dim} "
+            f"dims, at least 2 and at most all (it turns {rotary})"
+        )
+    return factor
+
+
+def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE as transformers resolves it: a divisor per frequency (short_factor, and
+    long_factor past original_max_position_embeddings, which Phi-3 takes from the top level,
+    default 4096) and one attention_factor on cos and sin, by default sqrt(1 + ln(factor) /
+    ln(original)) with factor = max_position_embeddings / original unless given."""
+    if cfg.get("model_type") == "phi3":
+        original = _int(cfg, "original_max_position_embeddings", 4096)
+    else:
+        length = _int(cfg, "max_position_embeddings", 4096)
+        original = _int(scaling, "original_max_position_embeddings", length)
+    head_dim = _int(cfg, "head_dim", _int(cfg, "hidden_size") // _int(cfg, "num_attention_heads"))
+    pairs = int(head_dim * _partial_rotary_factor(cfg)) // 2
+    lists: dict[str, list[float]] = {}
+    for key in ("short_factor", "long_factor"):
+        value = scaling.get(key)
+        if not (
+            isinstance(value, list)
+            and len(value) == pairs
+            and all(type(v) in (int, float) and v > 0 for v in value)
+        ):
+            raise ValueError(
+                f"rope scaling 'longrope' needs {key!r}: {pairs} positive numbers, got {_show(value)}"
+            )
+        lists[key] = [float(v) for v in value]
+    factor = _number(scaling, "factor", _int(cfg, "max_position_embeddings", 4096) / original)
+    default = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return {
+        "rope_type": "longrope",
+        **lists,
+        "original_max_position_embeddings": original,
+        "attention_factor": _number(scaling, "attention_factor", default),
+    }
 
 
 def _show(value: Any) -> str:
@@ -424,6 +493,9 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     window = cfg.get("sliding_window")
     if window is None:
         return None
+    if model_type == "phi3":  # every layer, as Mistral; one as long as the model binds nowhere
+        limit = _int(cfg, "max_position_embeddings", 4096)
+        return None if _int(cfg, "sliding_window") >= limit else window
     if model_type == "qwen3_moe" and not cfg.get("use_sliding_window"):
         return None
     if model_type in ("qwen2", "qwen3"):
@@ -438,7 +510,7 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 """transformers' layer_types entries."""
-_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe", "phi3")
 """Families whose window, when set, is in every layer (transformers ignores their layer_types)."""
 
 

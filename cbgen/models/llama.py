@@ -48,13 +48,19 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if not scaling:
-        return inv_freq
+def rope_inv_freq(cfg: ModelConfig, long: bool = False) -> torch.Tensor:
+    """The frequency of each of the rotary_dim / 2 rotated pairs; under LongRoPE, its short
+    factors' frequencies, or the long ones' when long."""
+    dim = cfg.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "longrope":
+        factors = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * cfg.rope_theta**exponents)
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    if kind is None:
+        return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
@@ -68,11 +74,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling {kind!r} is not supported (default, linear and llama3 are)")
+    raise ValueError(
+        f"rope scaling {kind!r} is not supported (default, linear, llama3 and longrope are)"
+    )
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, computed once in float32."""
+    """cos/sin tables for every position, computed once in float32, [positions, rotary_dim / 2]:
+    their width tells the ops how many dims of each head to turn (partial rotary: the first
+    rotary_dim; the rest pass through)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -81,8 +91,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.max_positions = max_positions
-        self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim // 2), persistent=False)
+        half = cfg.rotary_dim // 2
+        self.register_buffer("cos", torch.empty(max_positions, half), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, half), persistent=False)
         if self.cos.device.type != "meta":
             self.build()
 
@@ -90,11 +101,17 @@ class RotaryEmbedding(nn.Module):
         """Fill the tables (float32, on the buffers' device). The reference computes
         cat(freqs, freqs).cos(): both halves are the same, so one half is kept."""
         device = self.cos.device
-        inv_freq = rope_inv_freq(self.cfg)
+        long, scale = False, 1.0
+        scaling = self.cfg.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope":
+            # one set of factors for every position: the long ones where sequences may pass the
+            # original length (vLLM's rule; transformers switches per sequence: docs/DESIGN.md)
+            long = self.max_positions > scaling["original_max_position_embeddings"]
+            scale = scaling["attention_factor"]
         pos = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        freqs = pos[:, None] * rope_inv_freq(self.cfg, long)[None, :]
+        self.cos = (freqs.cos() * scale).to(device)
+        self.sin = (freqs.sin() * scale).to(device)
 
 
 class Attention(nn.Module):
@@ -298,6 +315,9 @@ class CausalLM(nn.Module):
                 )
             dst_view.copy_(tensor)
             loaded.add(name)
+            if size is None:  # a fused tensor stored whole (Phi-3's qkv_proj, gate_up_proj)
+                parts = [(w, part) for part, (w, _, _) in fused.items() if f".{w}." in name]
+                loaded |= {name.replace(w, part) for w, part in parts}
         return loaded
 
     def expected_weight_names(self) -> set[str]:

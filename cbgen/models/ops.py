@@ -29,13 +29,14 @@ class Ops(Protocol):
     def rope_tables(
         self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
     ) -> Any:
-        """What rope_ needs for this batch's positions, from the float32 tables [P, D/2];
-        built once per forward."""
+        """What rope_ needs for this batch's positions, from the float32 tables [P, R/2] (R, the
+        rotary dims of a head: head_dim, or fewer under partial rotary); built once per forward."""
         ...
 
     def rope_(self, x: torch.Tensor, num_heads: int, head_dim: int, tables: Any) -> None:
         """Rotate the first num_heads * head_dim columns of every row of x [T, >= that]
-        (rows may be strided) in place, as rotate_half RoPE does."""
+        (rows may be strided) in place, as rotate_half RoPE does: the first R dims of each head,
+        R from the tables; the rest of the head passes through."""
         ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,8 @@ class TorchOps:
 
     def rope_(self, x: torch.Tensor, num_heads: int, head_dim: int, tables: Any) -> None:
         cos, sin = tables
-        rotate_(x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim), cos, sin)
+        heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+        rotate_(heads[..., : 2 * cos.shape[-1]], cos, sin)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

@@ -13,6 +13,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": CausalLM,
     "qwen2": CausalLM,
     "qwen3": CausalLM,
+    "phi3": CausalLM,  # Phi-3/4 checkpoints store qkv_proj and gate_up_proj as cbgen holds them
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "qwen3_moe": MoeCausalLM,
