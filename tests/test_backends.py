@@ -149,8 +149,10 @@ def test_get_attention_backend_builds_each_backend(world: Callable[..., None]) -
 
 class FakeFlash:
     """flash_attn_varlen_func as vllm_flash_attn documents it (paged: k/v are the caches,
-    seqused_k the key counts, causal aligned bottom-right), computed with the torch reference;
-    records every call."""
+    seqused_k the key counts, causal aligned bottom-right; window_size (left, 0): query i sees
+    keys [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q]; softcap 0.0: none),
+    computed with the torch reference; records every call. The build without fa_version is an
+    older one, without window_size and softcap too."""
 
     def __init__(self, with_fa_version: bool) -> None:
         self.calls: list[dict[str, Any]] = []
@@ -171,6 +173,8 @@ class FakeFlash:
                 block_table=None,
                 out=None,
                 fa_version=2,
+                window_size=None,
+                softcap=0.0,
             ):
                 return self.run(locals())
 
@@ -199,8 +203,17 @@ class FakeFlash:
         self.calls.append(kw)
         assert kw["causal"] is True
         kv = torch.stack([kw["k"], kw["v"]])
+        left, right = kw.get("window_size") or (-1, -1)
+        assert right in (-1, 0)  # causal: nothing to the right either way
         res = torch_backend.paged_attention(
-            kw["q"], kv, kw["block_table"], kw["cu_seqlens_q"], kw["seqused_k"], kw["softmax_scale"]
+            kw["q"],
+            kv,
+            kw["block_table"],
+            kw["cu_seqlens_q"],
+            kw["seqused_k"],
+            kw["softmax_scale"],
+            sliding_window=left + 1 if left >= 0 else None,  # keys p - left .. p
+            logit_softcap=kw.get("softcap") or None,
         )
         kw["out"].copy_(res)
         return kw["out"]
@@ -263,6 +276,45 @@ def test_flash_backend_one_call_for_the_mixed_batch(
     assert ("fa_version" in call and call["fa_version"] == 3) == with_fa_version
     assert torch.equal(cache, want_cache)  # the new K/V went in by slot_mapping
     assert torch.equal(got, want)
+
+
+def test_flash_backend_passes_the_window_and_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cbgen.attention.flash_backend import FlashAttentionBackend
+
+    fake = FakeFlash(True)
+    monkeypatch.setitem(sys.modules, "vllm_flash_attn", fake.module)
+    be = FlashAttentionBackend()
+    assert be.unsupported(True, True) is None
+    meta, query, key, value = _mixed_meta()
+    cache = torch.randn(2, 6, 16, 2, 32, generator=torch.Generator().manual_seed(1))
+    cache = cache.to(torch.bfloat16)
+    want_cache = cache.clone()
+    torch_backend.write_kv_cache(key, value, want_cache, meta.slot_mapping)
+    want = torch_backend.paged_attention(
+        query,
+        want_cache,
+        meta.block_table,
+        meta.query_start_loc,
+        meta.seq_lens,
+        0.2,
+        sliding_window=7,
+        logit_softcap=3.0,
+    )
+    be.prepare(meta)
+    got = be.forward(query, key, value, cache, meta, 0.2, sliding_window=7, logit_softcap=3.0)
+    call = fake.calls[0]
+    assert call["window_size"] == (6, 0) and call["softcap"] == 3.0
+    assert torch.equal(got, want)
+    plain = be.forward(query, key, value, cache, meta, 0.2)
+    assert fake.calls[1]["window_size"] is None and fake.calls[1]["softcap"] == 0.0  # defaults
+    assert not torch.equal(plain, got)
+    # an older build without the arguments is refused for a model that needs them
+    monkeypatch.setitem(sys.modules, "vllm_flash_attn", FakeFlash(False).module)
+    old = FlashAttentionBackend()
+    assert old.unsupported(False, False) is None
+    assert "takes no window_size or softcap" in (old.unsupported(True, True) or "")
+    with pytest.raises(ValueError, match="takes no softcap, which the model needs"):
+        old.forward(query, key, value, cache, meta, 0.2, logit_softcap=3.0)
 
 
 def test_flash_backend_refuses_what_its_kernels_cannot_take(

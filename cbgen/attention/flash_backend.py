@@ -8,6 +8,12 @@ the whole mixed batch (prefill chunks and decodes alike).
 With seqused_k and causal=True the mask is aligned bottom-right, which is exactly our rule:
 query j of a chunk of query_len tokens sees keys [0, seq_len - query_len + j]. New K/V go in
 through cbgen_kernels.write_kv_cache (the torch reference when triton is missing).
+
+A sliding window W is window_size=(W - 1, 0): flash-attention's query i sees keys
+[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], i.e. our p - W < j <= p
+(the kernel skips the key blocks before, so freed blocks are never read). Soft-capping is its
+softcap argument (0.0: none). A build whose function lacks either argument is refused at
+start-up for a model that needs it.
 """
 
 from __future__ import annotations
@@ -74,6 +80,9 @@ class FlashAttentionBackend(AttentionBackend):
         self.module = importlib.import_module(module_name)
         self.varlen: Callable[..., torch.Tensor] = self.module.flash_attn_varlen_func
         self.fa_version = _pick_fa_version(self.module, self.varlen)
+        params = inspect.signature(self.varlen).parameters
+        self.takes_window = "window_size" in params
+        self.takes_softcap = "softcap" in params
         try:
             import cbgen_kernels
 
@@ -82,9 +91,20 @@ class FlashAttentionBackend(AttentionBackend):
             self.write_kv = torch_backend.write_kv_cache
 
     def unsupported(self, sliding_window: bool, logit_softcap: bool) -> str | None:
-        if sliding_window or logit_softcap:
-            return "flash does not apply sliding windows or logit soft-capping yet; use torch"
-        return None
+        missing = [
+            arg
+            for arg, needed, taken in (
+                ("window_size", sliding_window, self.takes_window),
+                ("softcap", logit_softcap, self.takes_softcap),
+            )
+            if needed and not taken
+        ]
+        if not missing:
+            return None
+        return (
+            f"flash: this {self.module.__name__}.flash_attn_varlen_func takes no "
+            f"{' or '.join(missing)}, which the model needs; use --attention-backend triton"
+        )
 
     def prepare(self, meta: AttentionMetadata) -> None:
         # The paged kernel reads pages of 16-token multiples (vLLM's layout rule for it).
@@ -116,6 +136,10 @@ class FlashAttentionBackend(AttentionBackend):
         self.write_kv(key, value, kv_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         extra: dict[str, Any] = {} if self.fa_version is None else {"fa_version": self.fa_version}
+        if sliding_window is not None:
+            extra["window_size"] = (sliding_window - 1, 0)
+        if logit_softcap is not None:
+            extra["softcap"] = logit_softcap
         self.varlen(
             q=query,
             k=kv_cache[0],
