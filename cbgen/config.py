@@ -7,6 +7,7 @@ the engine, not here: a config says what the user asked for.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -167,6 +168,97 @@ def _choice(value: object, name: str, allowed: tuple[str, ...]) -> None:
     _check(value in allowed, name, f"must be one of {', '.join(allowed)}; got {value!r}")
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on a completion (vLLM's structured outputs): exactly one field is set.
+    Whether it compiles is the engine's check (a schema it cannot compile fails that row)."""
+
+    json: dict[str, Any] | str | None = None
+    """A JSON schema (an object, or its JSON text): the completion is one JSON value of it."""
+    regex: str | None = None
+    """The completion fully matches this regular expression."""
+    choice: list[str] | None = None
+    """The completion is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF (GBNF) grammar whose root rule the completion derives."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
+
+    def __post_init__(self) -> None:
+        name = "structured_outputs"
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        _check(
+            len(given) == 1,
+            name,
+            f"give exactly one of {', '.join(STRUCTURED_KINDS)}, got "
+            + (" and ".join(given) if given else "none"),
+        )
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"{name}: json: not valid JSON ({e})") from None
+            _check(isinstance(schema, dict), name, "json: the schema must be a JSON object")
+        _check(
+            self.json is None or isinstance(self.json, (dict, str)),
+            name,
+            f"json: must be a schema object or its JSON text, got {self.json!r}",
+        )
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            _check(
+                value is None or (isinstance(value, str) and bool(value)),
+                name,
+                f"{kind}: must be a non-empty string, got {value!r}",
+            )
+        _check(isinstance(self.json_object, bool), name, "json_object: must be true or false")
+        if self.choice is not None:
+            _check(
+                isinstance(self.choice, Sequence)
+                and not isinstance(self.choice, str)
+                and len(self.choice) > 0
+                and all(isinstance(c, str) and c for c in self.choice),
+                name,
+                f"choice: must be a non-empty list of non-empty strings, got {self.choice!r}",
+            )
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @classmethod
+    def coerce(cls, value: object) -> StructuredOutputs:
+        """From a row's JSON object ({"regex": "..."}); ValueError naming an unknown key."""
+        if isinstance(value, cls):
+            return value
+        _check(
+            isinstance(value, dict),
+            "structured_outputs",
+            f"must be an object with one of {', '.join(STRUCTURED_KINDS)}, got {value!r}",
+        )
+        spec = cast(dict[str, Any], value)
+        unknown = sorted(set(spec) - set(STRUCTURED_KINDS))
+        _check(
+            not unknown,
+            "structured_outputs",
+            f"unknown field {unknown[0] if unknown else ''!r} "
+            f"(give one of {', '.join(STRUCTURED_KINDS)})",
+        )
+        return cls(**{k: v for k, v in spec.items() if v is not None})
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): equal for equal constraints; the compiled-grammar cache's key."""
+        value = getattr(self, self.kind)
+        if isinstance(value, str):
+            return self.kind, value
+        return self.kind, json.dumps(value, ensure_ascii=False)  # key order is field order
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. temperature=0 is greedy."""
@@ -208,6 +300,9 @@ class SamplingParams:
     """Words never generated: each word's token sequence (tokenized as given and after a
     space) never appears in the output; its last token is masked wherever the output ends
     with the tokens before it."""
+    structured_outputs: StructuredOutputs | None = None
+    """A constraint the completion follows (JSON schema, regex, choice or grammar); rows give
+    it as an object ({"regex": "..."}) or as OpenAI's response_format. None: free text."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -290,6 +385,8 @@ class SamplingParams:
                     f"must be in [0, {MAX_LOGPROBS}] (top entries per token), got {k}",
                 )
         self._check_logit_controls()
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
 
     def _check_logit_controls(self) -> None:
         """logit_bias to {int: float} with clamped values; allowed_token_ids and bad_words to

@@ -32,9 +32,12 @@ from cbgen.config import DEFAULT_MODEL, EngineConfig
 IO_PANEL = "Input and output"
 CHAT_PANEL = "Chat (rows with messages)"
 RUN_PANEL = "Run"
+STRUCTURED_PANEL = "Structured outputs (run-wide; a row's own constraint wins)"
 
 
-@sampling_options(exclude=("seed",))  # --seed is EngineConfig.seed, the base of every row's seed
+# --seed is EngineConfig.seed, the base of every row's seed; structured_outputs is given as
+# --json-schema, --regex or --choice
+@sampling_options(exclude=("seed", "structured_outputs"))
 @engine_options()
 def run(
     input: Annotated[
@@ -108,6 +111,31 @@ def run(
             rich_help_panel=CHAT_PANEL,
             show_default="none",
             help="JSON object of template variables, e.g. '{\"enable_thinking\": false}'; a row's own chat_template_kwargs add to and override them.",
+        ),
+    ] = None,
+    # ---- structured outputs -------------------------------------------------------------
+    json_schema: Annotated[
+        str | None,
+        typer.Option(
+            rich_help_panel=STRUCTURED_PANEL,
+            show_default="none",
+            help="A JSON schema file: every completion is JSON of that schema (a row's own structured_outputs or response_format wins).",
+        ),
+    ] = None,
+    regex: Annotated[
+        str | None,
+        typer.Option(
+            rich_help_panel=STRUCTURED_PANEL,
+            show_default="none",
+            help="Every completion fully matches this regular expression.",
+        ),
+    ] = None,
+    choice: Annotated[
+        list[str] | None,
+        typer.Option(
+            rich_help_panel=STRUCTURED_PANEL,
+            show_default="none",
+            help="Every completion is one of these strings (repeat for each choice).",
         ),
     ] = None,
     # ---- run -----------------------------------------------------------------------------
@@ -187,6 +215,9 @@ def run(
     try:
         config = engine.config()
         defaults = sampling.params()
+        structured = _structured_defaults(json_schema, regex, choice)
+        if structured is not None:
+            defaults = defaults.replace(structured_outputs=structured)
         the_shard = _resolve_shard(shard, display)
         keep = tuple(c.strip() for item in keep_columns or [] for c in item.split(",") if c.strip())
         chat = _chat_defaults(chat_template, chat_template_kwargs)
@@ -268,6 +299,41 @@ def _chat_defaults(template_file: str | None, kwargs_json: str | None) -> ChatDe
         if not isinstance(kwargs, dict):
             raise ValueError(f"--chat-template-kwargs: must be a JSON object, got {kwargs_json!r}")
     return ChatDefaults(template, kwargs)
+
+
+def _structured_defaults(
+    schema_file: str | None, regex: str | None, choices: list[str] | None
+) -> dict[str, Any] | None:
+    """structured_outputs from --json-schema / --regex / --choice (at most one of them);
+    ValueError naming the option when the file cannot be read or is no JSON object."""
+    given = [
+        flag
+        for flag, value in (
+            ("--json-schema", schema_file),
+            ("--regex", regex),
+            ("--choice", choices),
+        )
+        if value
+    ]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: give one constraint, not several")
+    if regex:
+        return {"regex": regex}
+    if choices:
+        return {"choice": list(choices)}
+    if not schema_file:
+        return None
+    try:
+        schema = json.loads(Path(schema_file).expanduser().read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--json-schema: cannot read {schema_file}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"--json-schema: {schema_file} is not valid JSON ({e.msg}, line {e.lineno})"
+        ) from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema: {schema_file} must hold a JSON object (a schema)")
+    return {"json": schema}
 
 
 def _resolve_shard(text: str | None, display: Any) -> Shard | None:

@@ -107,6 +107,8 @@ BAD_SAMPLING_PARAMS: list[tuple[str, Any]] = [
     ("logit_bias", [1]), ("logit_bias", {"x": 1}), ("logit_bias", {3: math.nan}),
     ("allowed_token_ids", []), ("allowed_token_ids", [1.0]), ("allowed_token_ids", "1"),
     ("bad_words", "no"), ("bad_words", [""]), ("bad_words", [3]),
+    ("structured_outputs", {"json": {}, "regex": "a"}), ("structured_outputs", {"choice": []}),
+    ("structured_outputs", "a+"), ("structured_outputs", {"json": "[1]"}),
 ]  # fmt: skip
 
 

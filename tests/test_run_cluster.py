@@ -225,7 +225,7 @@ def test_every_row_failed_exits_3_unless_told_otherwise(tmp_path: Path, chat_mod
         [
             {"id": "a"},
             "{nope",
-            {"id": "c", "prompt": "x", "response_format": {"type": "json_object"}},
+            {"id": "c", "prompt": "x", "tools": [{"type": "function"}]},
         ],
     )
     args = ["run", str(src), *tiny(chat_model)]
@@ -234,9 +234,7 @@ def test_every_row_failed_exits_3_unless_told_otherwise(tmp_path: Path, chat_mod
     assert "every row failed" in out.stdout
     rows = read_rows(tmp_path / "bad.out.parquet")
     assert [r["finish_reason"] for r in rows] == ["error"] * 3
-    assert rows[2]["error"] == (
-        "line 3: response_format: cbgen does not implement this request field yet"
-    )
+    assert rows[2]["error"] == "line 3: tools: cbgen does not implement this request field yet"
     assert run([*args, "--max-error-rate", "1.0"]).returncode == 0
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -277,7 +275,7 @@ def test_plain_rows_keep_extra_fields_as_metadata_but_not_feature_requests() -> 
     assert _parse({"prompt": "x", "best_of": 2}) == (
         "line 1: best_of: cbgen does not implement this request field yet"
     )
-    assert _parse({"prompt": "x", "structured_outputs": {"regex": "a+"}}) is not None
+    assert _parse({"prompt": "x", "guided_json": {"type": "object"}}) is not None
     # a column the user named is theirs, whatever it is called
     assert _parse({"prompt": "x", "tools": "hammer"}, ColumnSpec(keep_columns=("tools",))) is None
 

@@ -30,6 +30,7 @@ from cbgen.engine.request import Request, RequestStatus
 from cbgen.engine.runner import ModelRunner, NewRequestInfo, RunnerOutput
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
 from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
+from cbgen.engine.structured import Grammars, GrammarState, reasoning_open
 from cbgen.metrics import RequestMetrics
 from cbgen.models.llama import CausalLM
 from cbgen.models.loader import (
@@ -141,6 +142,7 @@ class Engine:
                 self.weight_dtype,
             )
         self._bad_words_ids: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
+        self._grammars: Grammars | None = None  # built when a request first has a constraint
         self.load_time_s = time.perf_counter() - t0
         self.num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -345,7 +347,12 @@ class Engine:
         if self.eos_token_id is not None and not params.ignore_eos:
             stop_ids += (self.eos_token_id,)
         info = NewRequestInfo(
-            len(token_ids), params, seed, stop_ids, self.bad_words_token_ids(params)
+            len(token_ids),
+            params,
+            seed,
+            stop_ids,
+            self.bad_words_token_ids(params),
+            self._grammar_state(token_ids, params),
         )
         self.runner.add_request(request_id, info)
         self.scheduler.add_request(req)
@@ -366,6 +373,8 @@ class Engine:
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
         self.bad_words_token_ids(params)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
         n = len(token_ids)
         if n > self.max_prompt_len:
             raise ValueError(
@@ -422,6 +431,30 @@ class Engine:
             raise ValueError(f"bad_words: token id {bad} is outside the vocabulary [0, {vocab})")
         return tuple(found)
 
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-outputs compiler and its cache (built on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: this model has no tokenizer")
+            stop = [] if self.eos_token_id is None else [self.eos_token_id]
+            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, stop)
+        return self._grammars
+
+    def _grammar_state(
+        self, token_ids: Sequence[int], params: SamplingParams
+    ) -> GrammarState | None:
+        """A new sequence's matcher; on a thinking model it waits for the reasoning end tag
+        unless the prompt closed the block already."""
+        if params.structured_outputs is None:
+            return None
+        waiting_for = None
+        tags = self.reasoning_tags()
+        if tags is not None:
+            start, end = self.tokenizer.convert_tokens_to_ids(list(tags))
+            waiting_for = end if reasoning_open(token_ids, start, end) else None
+        return self.grammars.state(params.structured_outputs, waiting_for)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -465,6 +498,8 @@ class Engine:
         self._record_logprobs(result)
         finished = self.scheduler.update_from_output(out, sampled, now)
         finished += self._check_stop_strings(sampled, finished, now)
+        if result.grammar_done:
+            finished += self._finish_grammars(result.grammar_done, now)
         self.total_preemptions += len(out.preempted_ids)
         return StepOutput(
             finished=[self._output(r) for r in finished],
@@ -479,6 +514,15 @@ class Engine:
             requests[rid].prompt_logprobs += scored
         for rid, lp in result.logprobs.items():
             requests[rid].logprobs.append(lp)
+
+    def _finish_grammars(self, request_ids: Sequence[str], now: float) -> list[Request]:
+        """Stop the requests whose grammar is complete (or refused the token sampled), those
+        that no stop rule finished already in this step."""
+        requests = self.scheduler.requests
+        done = [requests[r] for r in request_ids if r in requests]
+        if done:
+            self.scheduler.finish(done, now, RequestStatus.FINISHED_STOPPED)
+        return done
 
     def _check_stop_strings(
         self, sampled: dict[str, int], finished: list[Request], now: float

@@ -28,6 +28,7 @@ from cbgen.config import SamplingParams
 from cbgen.engine.logprobs import PositionLogprobs
 from cbgen.engine.sampler import Sampler, SamplingRow, position_logprobs
 from cbgen.engine.scheduler import SchedulerOutput
+from cbgen.engine.structured import GrammarState
 from cbgen.models.llama import CausalLM
 
 
@@ -41,6 +42,8 @@ class NewRequestInfo:
     stop_ids_for_min_tokens: tuple[int, ...]
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """params.bad_words as token sequences (the engine has the tokenizer)."""
+    grammar: GrammarState | None = None
+    """params.structured_outputs' matcher: kept through preemption (see engine/structured)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class RunnerOutput:
     """Of those, the requests with logprobs: their sampled token's."""
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     """Requests with prompt_logprobs: the prompt tokens scored this step, in order."""
+    grammar_done: tuple[str, ...] = ()
+    """Requests whose grammar ended with this step's token (or refused it)."""
 
 
 PROMPT_LOGITS_ROWS = 256
@@ -249,17 +254,24 @@ class ModelRunner:
                     generator=self.generators.get(s.request_id),
                     stop_ids_for_min_tokens=info.stop_ids_for_min_tokens,
                     bad_words_token_ids=info.bad_words_token_ids,
+                    grammar=info.grammar,
                 )
             )
         sampled, logprobs = self._sample(hidden[logits_indices], rows)
         result = {}
-        for s, token in zip(sampling, sampled, strict=True):
+        grammar_done = []
+        for s, row, token in zip(sampling, rows, sampled, strict=True):
             self.rows[s.request_id].token_ids.append(token)
             result[s.request_id] = token
+            if row.grammar is not None:
+                row.grammar.accept(token)
+                if row.grammar.finished:
+                    grammar_done.append(s.request_id)
         return RunnerOutput(
             result,
             {s.request_id: lp for s, lp in zip(sampling, logprobs, strict=True) if lp is not None},
             prompt_logprobs,
+            tuple(grammar_done),
         )
 
     def _sample(

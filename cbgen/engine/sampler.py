@@ -1,5 +1,5 @@
-"""Batched sampling: logit_bias / allowed_token_ids / bad_words, penalties, min_tokens, greedy,
-temperature / top-k / top-p / min-p.
+"""Batched sampling: grammar masks (structured outputs), logit_bias / allowed_token_ids /
+bad_words, penalties, min_tokens, greedy, temperature / top-k / top-p / min-p.
 
 One call per step for the requests that sample from float32 logits (on a CPU with native
 bf16 matmuls, plain greedy and plain temperature rows take the exact bf16 LM head instead,
@@ -21,6 +21,7 @@ import torch
 from cbgen.config import SamplingParams
 from cbgen.cpu import kernels
 from cbgen.engine.logprobs import PositionLogprobs
+from cbgen.engine.structured import GrammarState, apply_grammar_masks
 
 
 @dataclass
@@ -35,6 +36,13 @@ class SamplingRow:
     """EOS and stop token ids: masked while fewer than min_tokens exist."""
     bad_words_token_ids: Sequence[Sequence[int]] = ()
     """The token sequences of params.bad_words (see apply_logit_controls)."""
+    grammar: GrammarState | None = None
+    """The row's structured-outputs state (params.structured_outputs), if any."""
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar masks this row's next token."""
+        return self.grammar is not None and self.grammar.active
 
     @property
     def prompt_token_ids(self) -> Sequence[int]:
@@ -57,6 +65,7 @@ class SamplingRow:
             and p.temperature >= min_temperature
             and not p.has_penalties
             and not p.has_logit_controls
+            and not self.constrained
             and not _filters(p, vocab)
             and not (self.num_output_tokens < p.min_tokens and self.stop_ids_for_min_tokens)
         )
@@ -70,6 +79,7 @@ class SamplingRow:
             p.greedy
             and not p.has_penalties
             and not p.has_logit_controls
+            and not self.constrained
             and not (self.num_output_tokens < p.min_tokens and self.stop_ids_for_min_tokens)
         )
 
@@ -238,6 +248,10 @@ class Sampler:
         """logits [B, V] for the B requests in rows; returns one token id per row."""
         logits = logits.float()
         vocab = logits.shape[-1]
+        constrained = [i for i, row in enumerate(rows) if row.constrained]
+        if constrained:  # structured outputs: only the grammar's next tokens stay
+            states = [g for i in constrained if (g := rows[i].grammar) is not None]
+            apply_grammar_masks(logits, constrained, states)
         for i, row in enumerate(rows):
             p = row.params
             if p.has_logit_controls:

@@ -121,6 +121,7 @@ _LABELS = {
     "chat_template": "--chat-template (its text)",
     "chat_template_kwargs": "--chat-template-kwargs",
 }
+_SAMPLING_LABELS = {"structured_outputs": "--json-schema / --regex / --choice"}
 _SHOWN_WITH = {"model_files": "model", "input_file": "input"}
 _NOT_COMPARED = set(_SHOWN_WITH.values())
 
@@ -135,7 +136,8 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
         if key == "sampling":
             for name, value in now.items():
                 if name in before and before[name] != value:
-                    out.append(f"--{name.replace('_', '-')}: {before[name]!r} -> {value!r}")
+                    flag = _SAMPLING_LABELS.get(name, f"--{name.replace('_', '-')}")
+                    out.append(f"{flag}: {before[name]!r} -> {value!r}")
             continue
         if before != now:
             if key in _SHOWN_WITH:

@@ -31,6 +31,9 @@ SAMPLING_FIELDS = frozenset(SamplingParams.field_names())
 CHAT_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 # OpenAI's `logprobs: true` + `top_logprobs: k`; vLLM's `logprobs: k` is a sampling field.
 LOGPROB_FIELDS = frozenset({"top_logprobs"})
+# OpenAI's response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+# {"schema": ...}}): SamplingParams.structured_outputs by another name.
+STRUCTURED_FIELDS = frozenset({"response_format"})
 # OpenAI body fields that change nothing in an offline batch: accepted and ignored.
 OPENAI_NO_EFFECT = frozenset(
     {
@@ -51,8 +54,6 @@ OPENAI_NO_EFFECT = frozenset(
 # answer the user did not ask for. A field set to null or to its no-op value is not asking.
 UNSUPPORTED_FEATURES = frozenset(
     {
-        "response_format",
-        "structured_outputs",
         "guided_json",
         "guided_regex",
         "guided_choice",
@@ -395,6 +396,7 @@ def _check_fields(source: Mapping[str, Any], openai: bool, spec: ColumnSpec) -> 
         if openai and not (
             name in SAMPLING_FIELDS
             or name in LOGPROB_FIELDS
+            or name in STRUCTURED_FIELDS
             or name in OPENAI_ALIASES
             or name in CHAT_FIELDS
             or name in OPENAI_NO_EFFECT
@@ -414,7 +416,32 @@ def _overrides(source: Mapping[str, Any], openai: bool) -> dict[str, Any]:
                 out[name] = source[alias]
     out.pop("logprobs", None)
     out.update(_logprobs(source.get("logprobs"), source.get("top_logprobs")))
+    wanted = _response_format(source.get("response_format"))
+    if wanted is not None:
+        if "structured_outputs" in out:
+            raise RowError("response_format: give it or structured_outputs, not both")
+        out["structured_outputs"] = wanted
     return out
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format as structured_outputs; None for text (or no field)."""
+    if value is None or value == {"type": "text"}:
+        return None
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise RowError(
+                f"response_format.json_schema.schema: must be a JSON schema object, got {_describe(schema)}"
+            )
+        return {"json": dict(schema)}
+    raise RowError(
+        f"response_format: expected type text, json_object or json_schema, got {_describe(value)}"
+    )
 
 
 def _logprobs(want: Any, top: Any) -> dict[str, Any]:
