@@ -172,6 +172,7 @@ class Engine:
             self.max_model_len,
             self.device,
             self.dtype,
+            config.max_num_batched_tokens,
         )
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None and mc.eos_token_ids:

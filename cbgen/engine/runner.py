@@ -5,10 +5,13 @@ The flat batch (no padding), for B scheduled requests and T tokens:
     input_ids[T], positions[T], slot_mapping[T]
     query_start_loc[B + 1]      request i owns tokens [qsl[i], qsl[i + 1])
     seq_lens[B]                 context + new tokens of request i
-    block_table[B, max_blocks]  rows of the persistent per-slot block table
+    block_table[B, max_blocks_per_seq]  each request's blocks, every column of a
+                                max_model_len sequence (fixed width)
 
 Block tables live in one preallocated [max_num_seqs, max_blocks_per_seq] array: a request
-keeps its row while it runs and only its new block ids are written each step.
+keeps its row while it runs and only its new block ids are written each step. The step's
+tensors are written into preallocated staging buffers and reach the device in one copy
+(step_inputs).
 
 Logits are computed at the last position of each request that samples, and, for requests
 with prompt_logprobs, at the prompt positions this step computes (see _score_prompts).
@@ -28,6 +31,7 @@ from cbgen.config import SamplingParams
 from cbgen.engine.logprobs import PositionLogprobs
 from cbgen.engine.sampler import Sampler, SamplingRow, position_logprobs
 from cbgen.engine.scheduler import SchedulerOutput
+from cbgen.engine.step_inputs import StepBuffers
 from cbgen.engine.structured import GrammarState
 from cbgen.models.llama import CausalLM
 
@@ -106,7 +110,9 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
+        """max_num_batched_tokens: the most tokens a step holds (None: max_model_len)."""
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -118,6 +124,13 @@ class ModelRunner:
         ]
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self.max_model_len = max_model_len
+        self.buffers = StepBuffers(
+            max_num_seqs,
+            max(max_num_batched_tokens or max_model_len, max_num_seqs),
+            self.max_blocks_per_seq,
+            device,
+        )
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.rows: dict[str, _RowState] = {}
         self.infos: dict[str, NewRequestInfo] = {}
@@ -172,56 +185,64 @@ class ModelRunner:
     def prepare_inputs(
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The flat batch for this step: (input_ids, positions, metadata, logits_indices)."""
+        """The flat batch for this step: (input_ids, positions, metadata, logits_indices),
+        written into the staging buffers and moved to the device in one copy (views of the
+        runner's static device buffers, valid until the next step)."""
         bs = self.block_size
+        buffers = self.buffers
+        host = buffers.host
         sched = out.scheduled
+        num_seqs = len(sched)
         states = [self.rows[s.request_id] for s in sched]
-        rows = np.fromiter((st.row for st in states), dtype=np.int64, count=len(sched))
-        num_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
+        rows = np.fromiter((st.row for st in states), dtype=np.int64, count=num_seqs)
+        num_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=num_seqs)
         computed = np.fromiter(
-            (s.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched)
+            (s.num_computed_tokens for s in sched), dtype=np.int64, count=num_seqs
         )
-        qsl = np.zeros(len(sched) + 1, dtype=np.int64)
-        np.cumsum(num_new, out=qsl[1:])
-        total = int(qsl[-1])
+        ends = np.cumsum(num_new)
+        total = int(ends[-1])
+        if total > buffers.max_num_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens: a step of {total} tokens exceeds the runner's "
+                f"{buffers.max_num_tokens}"
+            )
+        buffers.begin()
+        qsl = host["query_start_loc"][: num_seqs + 1]
+        qsl[0] = 0
+        qsl[1:] = ends
+        starts = ends - num_new
         seq_lens = computed + num_new
+        host["seq_lens"][:num_seqs] = seq_lens
         # positions: for token t of request i, computed[i] + (t - qsl[i])
-        positions = np.repeat(computed - qsl[:-1], num_new) + np.arange(total)
+        positions = host["positions"][:total]
+        positions[:] = np.repeat(computed - starts, num_new) + np.arange(total)
         token_rows = np.repeat(rows, num_new)
-        slot_mapping = (
+        host["slot_mapping"][:total] = (
             self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         )
-        if total == len(sched):  # one token each (decodes, or 1-token prompt chunks)
-            input_ids = np.fromiter(
+        input_ids = host["input_ids"]
+        if total == num_seqs:  # one token each (decodes, or 1-token prompt chunks)
+            input_ids[:total] = np.fromiter(
                 (st.token_ids[s.num_computed_tokens] for s, st in zip(sched, states, strict=True)),
                 dtype=np.int64,
                 count=total,
             )
         else:
-            input_ids = np.empty(total, dtype=np.int64)
-            for s, st, start in zip(sched, states, qsl[:-1].tolist(), strict=True):
+            for s, st, start in zip(sched, states, starts.tolist(), strict=True):
                 c, n = s.num_computed_tokens, s.num_new_tokens
                 input_ids[start : start + n] = st.token_ids[c : c + n]
-        max_seq_len = int(seq_lens.max())
-        block_table = self.block_table[rows, : -(-max_seq_len // bs)]
-        sample_mask = np.fromiter((s.will_sample for s in sched), dtype=bool, count=len(sched))
-        logits_indices = qsl[1:][sample_mask] - 1
-
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            max_query_len=int(num_new.max()),
-            max_seq_len=max_seq_len,
-            block_size=bs,
-        )
-        return (
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            meta,
-            torch.from_numpy(logits_indices).to(dev),
+        np.take(self.block_table, rows, axis=0, out=host["block_table"][:num_seqs])
+        sample_mask = np.fromiter((s.will_sample for s in sched), dtype=bool, count=num_seqs)
+        logits_indices = ends[sample_mask] - 1
+        host["logits_indices"][: len(logits_indices)] = logits_indices
+        buffers.upload(num_seqs)
+        return buffers.views(
+            total,
+            num_seqs,
+            len(logits_indices),
+            int(num_new.max()),
+            int(seq_lens.max()),
+            bs,
         )
 
     @torch.inference_mode()
