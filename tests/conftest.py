@@ -172,6 +172,42 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         sliding_window_pattern=3,
         sliding_window=12,
     ),
+    # 8 experts, top 3, not renormalised; layer 1 dense (mlp_only_layers); Q/K norm, untied
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
+    # 4 experts, top 2 renormalised, Llama attention GQA 4:2, untied
+    "mixtral": dict(
+        model_type="mixtral",
+        hidden_size=64,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
 }
 
 

@@ -1,6 +1,7 @@
 """The decoder's element-wise ops as Triton kernels (cbgen_kernels), the loader's choice on CUDA
 when triton imports: residual add + RMSNorm in one pass, RoPE in place with the cos/sin tables
-gathered inside the kernel, and SiLU x up in one pass over the gate-up projection. Each rounds
+gathered inside the kernel, SiLU x up in one pass over the gate-up projection, and a
+mixture-of-experts layer's expert MLPs as grouped matmuls. Each rounds
 as cbgen.models.ops.TorchOps, the reference, does (tests/test_triton_ops.py).
 
 Triton is an optional dependency, so this module imports without it; cbgen_kernels (and
@@ -42,6 +43,17 @@ class TritonOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_mul(gate_up)
+
+    def grouped_experts(
+        self,
+        x: torch.Tensor,
+        token_rows: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+    ) -> torch.Tensor:
+        """cbgen.models.moe.grouped_experts in two grouped-matmul launches (no host read)."""
+        return self.kernels.grouped_moe(x, token_rows, expert_offsets, w_gate_up, w_down)
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """No kernel of its own: the reference's."""
