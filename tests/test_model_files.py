@@ -279,7 +279,8 @@ def llama_entries(**overrides: bytes | None) -> list[bytes]:
     "overrides, message",
     [
         ({}, None),
-        ({"general.architecture": s("gpt2")}, "GGUF architecture 'gpt2' is not supported"),
+        ({"general.architecture": s("gpt2")}, "GGUF architecture 'gpt2' is not supported; cbgen reads"),
+        ({"general.architecture": s("phi3")}, "from GGUF files (phi3 runs from its safetensors checkpoint)"),
         ({"llama.block_count": None}, "the metadata has no llama.block_count"),
         ({"llama.attention.head_count": struct.pack("<I", 0)}, "'num_attention_heads' must be a positive integer, got 0"),
         ({"llama.vocab_size": None}, "no llama.vocab_size and no token_embd.weight tensor"),

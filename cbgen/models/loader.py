@@ -162,13 +162,22 @@ def _gguf_reader(path: str) -> GGUFFile:
     return GGUFFile(path)
 
 
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+"""What the GGUF path maps (tensor names, rope layout); other families load from safetensors."""
+
+
 def _gguf_config(reader: GGUFFile) -> ModelConfig:
     f = reader.fields
     arch = f.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
+        other = (
+            f" ({arch} runs from its safetensors checkpoint)"
+            if arch in SUPPORTED_ARCHITECTURES
+            else ""
+        )
         raise GGUFError(
-            f"model file {reader.path}: GGUF architecture {arch!r} is not supported; cbgen runs "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            f"model file {reader.path}: GGUF architecture {arch!r} is not supported; cbgen reads "
+            f"{', '.join(GGUF_ARCHITECTURES)} from GGUF files{other}"
         )
 
     def number(key: str, default: float | None = None) -> Any:
