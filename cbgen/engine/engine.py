@@ -21,6 +21,7 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.cpu import tuning
 from cbgen.cpu.build import native_status
 from cbgen.cpu.features import cpu_info
+from cbgen.engine.cuda_graphs import capture_sizes, graph_memory_reserve, graphs_unavailable
 from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.logprobs import TokenLogprob, with_text
 from cbgen.engine.memory import plan_cpu_weights
@@ -145,7 +146,16 @@ class Engine:
         self._grammars: Grammars | None = None  # built when a request first has a constraint
         self.load_time_s = time.perf_counter() - t0
         self.num_blocks = self._num_kv_blocks()
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # Blocks out of every layer's window go back while a request runs (continuous
+        # scheduling), which needs a window in every layer.
+        windows = [w for w in mc.layer_windows if w is not None]
+        release = len(windows) == mc.num_hidden_layers and config.scheduling_policy != "static"
+        self.kv = KVCacheManager(
+            self.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            max(windows) if release else None,
+        )
         self.scheduler: Scheduler
         if config.scheduling_policy == "static":
             self.scheduler = StaticScheduler(
@@ -174,6 +184,15 @@ class Engine:
             self.dtype,
             config.max_num_batched_tokens,
         )
+        self.graphs_off = graphs_unavailable(self.device, self.backend.name, config.enforce_eager)
+        """Why decode steps run eagerly (None: they replay CUDA graphs)."""
+        if self.graphs_off is None:
+            graphs = self.runner.capture_graphs(capture_sizes(config.max_num_seqs))
+            logger.info(
+                "captured %d CUDA graphs for decode steps in %.1f s",
+                len(graphs),
+                graphs.capture_time_s,
+            )
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None and mc.eos_token_ids:
             eos = mc.eos_token_ids[0]
@@ -228,6 +247,15 @@ class Engine:
         peak = profile_peak_memory(
             self.model, self.backend, self.config, self.max_model_len, self.dtype, self.device
         )
+        if graphs_unavailable(self.device, self.backend.name, self.config.enforce_eager) is None:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            peak += graph_memory_reserve(
+                peak - weights,
+                self.config.max_num_batched_tokens,
+                capture_sizes(self.config.max_num_seqs),
+                self.model_config.hidden_size * elem,
+            )
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = int(total * self.config.gpu_memory_utilization) - peak
         if budget <= 0:
@@ -249,7 +277,17 @@ class Engine:
             f"attention {self.backend.name}; KV cache {self.num_blocks} blocks x {self.config.block_size} "
             f"tokens = {tokens} tokens ({self.num_blocks * self.kv_bytes_per_block / GiB:.2f} GiB), "
             f"room for {tokens // self.max_model_len}+ sequences at max_model_len {self.max_model_len}"
-        ) + (f"; {cpu_info().describe()}; {self._native_line()}" if self.device.type == "cpu" else "")
+        ) + (
+            f"; {cpu_info().describe()}; {self._native_line()}"
+            if self.device.type == "cpu"
+            else f"; decode steps: {self._graphs_line()}"
+        )
+
+    def _graphs_line(self) -> str:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return f"eager ({self.graphs_off})"
+        return f"CUDA graphs at batch sizes {graphs.sizes[0]}-{graphs.sizes[-1]} ({len(graphs)})"
 
     def _weight_storage(self) -> str:
         if self.weight_dtype == self.dtype:
@@ -391,7 +429,7 @@ class Engine:
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        need = self.kv.blocks_needed(n + params.max_tokens)
+        need = self.kv.max_blocks_held(n + params.max_tokens, self.config.max_num_batched_tokens)
         if need > self.num_blocks:
             raise ValueError(
                 f"max_tokens: prompt + max_tokens needs {need} KV blocks, the cache has {self.num_blocks}"

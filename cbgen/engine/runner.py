@@ -11,7 +11,8 @@ The flat batch (no padding), for B scheduled requests and T tokens:
 Block tables live in one preallocated [max_num_seqs, max_blocks_per_seq] array: a request
 keeps its row while it runs and only its new block ids are written each step. The step's
 tensors are written into preallocated staging buffers and reach the device in one copy
-(step_inputs).
+(step_inputs); decode-only steps may be padded to a bucket size and replayed from a CUDA
+graph (cuda_graphs).
 
 Logits are computed at the last position of each request that samples, and, for requests
 with prompt_logprobs, at the prompt positions this step computes (see _score_prompts).
@@ -28,10 +29,11 @@ import torch
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.config import SamplingParams
+from cbgen.engine.cuda_graphs import DecodeGraphs, bucket_for
 from cbgen.engine.logprobs import PositionLogprobs
 from cbgen.engine.sampler import Sampler, SamplingRow, position_logprobs
 from cbgen.engine.scheduler import SchedulerOutput
-from cbgen.engine.step_inputs import StepBuffers
+from cbgen.engine.step_inputs import StepBuffers, fill_padding
 from cbgen.engine.structured import GrammarState
 from cbgen.models.llama import CausalLM
 
@@ -131,6 +133,10 @@ class ModelRunner:
             self.max_blocks_per_seq,
             device,
         )
+        self.decode_sizes: tuple[int, ...] = ()
+        """Bucket sizes decode-only steps are padded to (none: no padding)."""
+        self.graphs: DecodeGraphs | None = None
+        """Their captured forward passes (CUDA only; None: padded steps run eagerly)."""
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.rows: dict[str, _RowState] = {}
         self.infos: dict[str, NewRequestInfo] = {}
@@ -187,7 +193,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The flat batch for this step: (input_ids, positions, metadata, logits_indices),
         written into the staging buffers and moved to the device in one copy (views of the
-        runner's static device buffers, valid until the next step)."""
+        runner's static device buffers, valid until the next step). A decode-only step is
+        padded to its bucket when decode_sizes are set (step_inputs.fill_padding)."""
         bs = self.block_size
         buffers = self.buffers
         host = buffers.host
@@ -235,15 +242,55 @@ class ModelRunner:
         sample_mask = np.fromiter((s.will_sample for s in sched), dtype=bool, count=num_seqs)
         logits_indices = ends[sample_mask] - 1
         host["logits_indices"][: len(logits_indices)] = logits_indices
-        buffers.upload(num_seqs)
+        num_rows = self._decode_bucket(out) or num_seqs
+        if num_rows > num_seqs:
+            fill_padding(host, num_seqs, num_rows)
+        buffers.upload(num_rows)
         return buffers.views(
-            total,
-            num_seqs,
+            total if num_rows == num_seqs else num_rows,
+            num_rows,
             len(logits_indices),
             int(num_new.max()),
             int(seq_lens.max()),
             bs,
         )
+
+    def pad_decodes(self, sizes: tuple[int, ...]) -> None:
+        """Pad every decode-only step to the smallest of sizes that holds it (eagerly unless
+        graphs are captured for them); () turns padding off."""
+        self.decode_sizes = tuple(sorted(sizes))
+
+    @torch.inference_mode()
+    def capture_graphs(self, sizes: tuple[int, ...]) -> DecodeGraphs:
+        """Capture a CUDA graph of a decode-only step's forward pass per size; from now on
+        decode-only steps are padded to the smallest size that holds them and replayed."""
+        graphs = DecodeGraphs(sizes)
+        graphs.capture(self._stage_padding, self._padded_forward)
+        self.pad_decodes(graphs.sizes)
+        self.graphs = graphs
+        return graphs
+
+    def _stage_padding(self, num_rows: int) -> None:
+        """Fill the static buffers with num_rows padding rows (what a capture runs on)."""
+        self.buffers.begin()
+        self.buffers.host["query_start_loc"][0] = 0
+        fill_padding(self.buffers.host, 0, num_rows)
+        self.buffers.upload(num_rows)
+
+    def _padded_forward(self, num_rows: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The forward pass of a decode-only step of num_rows rows on the static buffers, its
+        metadata bounded by max_model_len (every step a graph replays stays within it)."""
+        input_ids, positions, meta, _ = self.buffers.views(
+            num_rows, num_rows, 0, 1, self.max_model_len, self.block_size
+        )
+        self.backend.prepare(meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend), meta
+
+    def _decode_bucket(self, out: SchedulerOutput) -> int | None:
+        """The bucket a decode-only step is padded to (None: not padded)."""
+        if not self.decode_sizes or out.total_num_tokens != len(out.scheduled):
+            return None
+        return bucket_for(self.decode_sizes, len(out.scheduled))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -256,9 +303,13 @@ class ModelRunner:
                 src, dst, n = s.kv_copy
                 for cache in self.kv_caches:  # [2, blocks, block_size, kv heads, head dim]
                     cache[:, dst, :n] = cache[:, src, :n]
+        bucket = self._decode_bucket(out)
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
-        self.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if bucket is not None and self.graphs is not None:
+            hidden = self.graphs.replay(bucket)
+        else:
+            self.backend.prepare(meta)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         prompt_logprobs = self._score_prompts(out, hidden) if self.prompt_scored else {}
         sampling = [s for s in out.scheduled if s.will_sample]
         if not sampling:
