@@ -3,7 +3,8 @@ attention, float32) on tiny random checkpoints that transformers writes, through
 on the torch reference (torch ops and attention) and on the C kernels (CPU ops and attention):
 prompts of different lengths in one batch, a second batch that hits the prefix cache, and the
 same in chunks of a few tokens. Sequences run past the sliding window, so the sliding layers
-see only part of their context. And how config.json's Gemma fields are read."""
+see only part of their context. A multimodal Gemma 3 checkpoint's language model on text. And
+how config.json's Gemma fields are read."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TINY_CONFIGS
 
 from cbgen.config import AttentionBackendName, EngineConfig, SamplingParams
 from cbgen.cpu.kernels import fused_ops_available
@@ -57,7 +59,9 @@ def case(
     hf = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    return folder, [hf_greedy(hf, p, NEW_TOKENS) for p in FIRST + SECOND]
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in FIRST + SECOND]
+    assert all(len(set(e)) > NEW_TOKENS // 4 for e in expected)  # not one token over and over
+    return folder, expected
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -91,6 +95,47 @@ def test_greedy_matches_transformers(
         assert got == expected, f"{mc.extra['hf_model_type']} on {backend}, {overrides}"
         assert [o.num_cached_tokens > 0 for o in second] == [True, True, False]
         assert engine.kv.num_used_blocks == 0
+
+
+def test_multimodal_gemma3_runs_its_language_model_on_text(tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B and up): its text_config and
+    language-model tensors, the vision tower's skipped; greedy equal to transformers' same
+    model on text-only prompts."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = {k: v for k, v in TINY_CONFIGS["gemma3"].items() if k != "model_type"}
+    vision = dict(
+        model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+    )  # fmt: skip
+    top: dict[str, Any] = dict(  # token ids and tying at the top level, as Google's configs
+        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298,
+        eos_token_id=[1, 296], tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg = Gemma3Config(text_config=dict(text, vocab_size=300), vision_config=vision, **top)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.2)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in FIRST]
+    assert all(len(set(e)) > NEW_TOKENS // 4 for e in expected)  # not one token over and over
+    engine = Engine(
+        model=str(tmp_path), device="cpu", dtype="float32", kv_cache_memory=1 << 20,
+        block_size=4, num_threads=1,
+    )  # fmt: skip
+    mc = engine.model_config
+    assert (mc.model_type, mc.eos_token_ids, mc.tie_word_embeddings) == ("gemma3", [1, 296], False)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    got = [o.output_token_ids for o in LLM(engine=engine).generate(FIRST, params)]
+    assert got == expected
 
 
 def test_soft_capped_logits_skip_the_bf16_head(tiny_model_dir: Callable[[str], Path]) -> None:
@@ -159,7 +204,7 @@ def test_gemma3_rope_per_layer_type_in_both_config_formats() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        (dict(model_type="gemma3", text_config={}), "vision encoder"),
+        (dict(model_type="gemma3"), "'text_config' is missing"),
         (dict(GEMMA2_CONFIG, hidden_activation="gelu"), "'hidden_activation'"),
         (dict(GEMMA2_CONFIG, use_bidirectional_attention=True), "causal models only"),
         (dict(GEMMA2_CONFIG, layer_types=["full_attention"]), "'layer_types'"),

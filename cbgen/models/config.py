@@ -300,12 +300,17 @@ def _gemma_config(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """A Gemma config.json in the form the common fields are read in: transformers' defaults for
     the fields it leaves out, and Gemma 3's RoPE per layer type (rope_parameters with
     full_attention and sliding_attention) as the full layers' rope_parameters plus
-    rope_local_base_freq. A multimodal Gemma 3 (model_type gemma3) is refused."""
+    rope_local_base_freq. A multimodal Gemma 3 (model_type gemma3) is its text_config, with the
+    top level's token ids and tying, which transformers follows: cbgen runs its language model
+    on text alone."""
     if model_type == "gemma3":
-        raise ValueError(
-            "model_type 'gemma3' is Gemma 3 with its vision encoder (Gemma3ForConditionalGeneration); "
-            "cbgen runs the text-only Gemma 3 (model_type 'gemma3_text', Gemma3ForCausalLM)"
-        )
+        text = _dict(cfg, "text_config")
+        if text is None:
+            raise ValueError(
+                "'text_config' is missing (a gemma3 config keeps the text model there)"
+            )
+        keys = ("bos_token_id", "eos_token_id", "tie_word_embeddings")
+        cfg, model_type = {**text, **{k: cfg[k] for k in keys if k in cfg}}, "gemma3_text"
     cfg = {**_GEMMA_DEFAULTS[model_type], **cfg}
     params = _dict(cfg, "rope_parameters")
     if params is not None and {"full_attention", "sliding_attention"} & params.keys():
@@ -503,7 +508,7 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
         first = cfg.get("max_window_layers", layers)
         if not cfg.get("use_sliding_window") or (type(first) is int and first >= layers):
             return None
-    elif model_type not in ("mistral", "mixtral", "qwen3_moe", "gemma2", "gemma3_text"):
+    elif model_type not in ("mistral", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3"):
         return None
     return _int(cfg, "sliding_window")
 

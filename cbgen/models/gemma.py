@@ -14,7 +14,7 @@ with Gemma's differences, each where the reference computes it:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import cast
 
 import torch
@@ -127,10 +127,13 @@ class GemmaForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """CausalLM's loading, with 1 added to every norm weight (in float32, then cast to
         the model dtype). In float32 that is exactly the reference's x * (1 + w); in bfloat16
-        the reference rounds x * (1 + w) once where this rounds (1 + w) and the product."""
+        the reference rounds x * (1 + w) once where this rounds (1 + w) and the product.
+        A multimodal Gemma 3 checkpoint gives its language model's tensors; the vision
+        encoder's and the projector's are left out."""
+        multimodal = self.config.extra.get("hf_model_type") == "gemma3"
         return super().load_weights(
             (name, tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
-            for name, tensor in weights
+            for name, tensor in (_language_model(weights) if multimodal else weights)
         )
 
     def expected_weight_names(self) -> set[str]:
@@ -141,3 +144,28 @@ class GemmaForCausalLM(CausalLM):
                 f"layers.{i}.post_feedforward_layernorm.weight",
             }
         return names
+
+
+_VISION = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _language_model(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A multimodal Gemma 3's language-model tensors under Gemma3ForCausalLM's names:
+    language_model.model.X (as Google's checkpoints and transformers write them) or
+    model.language_model.X (transformers' in-memory names) become model.X; the vision
+    encoder's and the projector's tensors are skipped, lm_head.weight passes as it is."""
+    for name, tensor in weights:
+        if name.startswith(_VISION):
+            continue
+        if name.startswith("language_model."):
+            name = name[len("language_model.") :]
+        elif name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model.") :]
+        yield name, tensor
