@@ -1,7 +1,8 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral): the config's expert fields, the router against
 transformers' routers, the grouped block against a per-token loop, the Triton grouped kernel
 against its torch reference (in the interpreter without CUDA), loading per-expert and stacked
-checkpoints, and greedy tokens equal to transformers' on tiny random checkpoints in float32.
+checkpoints, and greedy tokens equal to transformers' on tiny random checkpoints in float32, with
+and without a sliding window.
 
 Tolerances of the Triton kernel: its sums run in another order than torch's matmul, so float32
 agrees within 1e-5 (observed ~3e-7 relative), bfloat16 within one bfloat16 ulp."""
@@ -317,3 +318,41 @@ def test_triton_ops_greedy_tokens_match_torch_ops(
     got = [o.output_token_ids for o in LLM(engine=engine).generate(prompts, params)]
     assert got == want
     assert calls and calls[0] == 3 * (len(prompts[0]) + len(prompts[1]))  # a prefill, 3 per token
+
+
+def write_tiny(kind: str, folder: Path, **changes: Any) -> Path:
+    """The conftest's tiny checkpoint of `kind` with config changes (the same seed and init)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = hf_config(kind, **changes)
+    cfg = AutoConfig.for_model(
+        fields.pop("model_type"), **fields, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.2)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("kind", "window"),
+    [("mixtral", {}), ("qwen3_moe", {"use_sliding_window": True})],
+    ids=["mixtral", "qwen3_moe"],
+)
+def test_sliding_window_matches_transformers(
+    kind: str, window: dict[str, Any], tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A window of 8 in every layer (Mixtral whenever set, Qwen3-MoE with use_sliding_window),
+    prompts and generations past it: transformers' tokens, which differ from the same weights'
+    without a window."""
+    folder = write_tiny(kind, tmp_path / kind, sliding_window=8, **window)
+    expected = hf_greedy(folder, PROMPTS)
+    assert expected != hf_greedy(tiny_model_dir(kind), PROMPTS)
+    for backend in ("torch", "cpu"):
+        assert cbgen_greedy(folder, attention_backend=backend) == expected, backend
