@@ -1,8 +1,8 @@
 """Gemma 2 and Gemma 3 (text): greedy output token-for-token equal to transformers' (eager
 attention, float32) on tiny random checkpoints that transformers writes, through the LLM API,
 on the torch reference (torch ops and attention) and on the C kernels (CPU ops and attention):
-prompts of different lengths in one batch, a second batch that hits the prefix cache, and the
-same in chunks of a few tokens. Sequences run past the sliding window, so the sliding layers
+prompts of different lengths in one batch, a second batch that hits the prefix cache, the same
+in chunks of a few tokens, and with room for one sequence at a time (preemption). Sequences run past the sliding window, so the sliding layers
 see only part of their context. A multimodal Gemma 3 checkpoint's language model on text. And
 how config.json's Gemma fields are read."""
 
@@ -85,15 +85,28 @@ def test_greedy_matches_transformers(
     windows = [w for w in mc.layer_windows if w is not None]
     assert windows and None in mc.layer_windows  # sliding and full layers
     assert max(len(p) for p in FIRST) + NEW_TOKENS > max(windows)
-    for overrides in ({}, {"max_num_batched_tokens": 5}):
+    longest = max(len(p) for p in FIRST + SECOND) + NEW_TOKENS
+    settings: dict[str, dict[str, Any]] = {
+        "prefix caching": {},
+        "chunks of 5 tokens": {"max_num_batched_tokens": 5},
+        # room for the longest sequence and a little: the others are preempted, then recomputed
+        "preemption": {
+            "kv_cache_memory": base.kv_bytes_per_block * (-(-longest // 4) + 2),
+            "enable_prefix_caching": False,
+        },
+    }
+    for name, overrides in settings.items():
         engine = Engine(config.replace(**overrides), share_weights_with=base)
         engine.model.ops = TORCH_OPS if backend == "torch" else CPU_OPS
         llm = LLM(engine=engine)
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         first, second = llm.generate(FIRST, params), llm.generate(SECOND, params)
         got = [o.output_token_ids for o in first + second]
-        assert got == expected, f"{mc.extra['hf_model_type']} on {backend}, {overrides}"
-        assert [o.num_cached_tokens > 0 for o in second] == [True, True, False]
+        assert got == expected, f"{mc.extra['hf_model_type']} on {backend}, {name}"
+        if name == "preemption":
+            assert engine.total_preemptions > 0
+        else:
+            assert [o.num_cached_tokens > 0 for o in second] == [True, True, False]
         assert engine.kv.num_used_blocks == 0
 
 
