@@ -2,9 +2,9 @@
 attention, float32) on tiny random checkpoints that transformers writes, through the LLM API,
 on the torch reference (torch ops and attention) and on the C kernels (CPU ops and attention):
 prompts of different lengths in one batch, a second batch that hits the prefix cache, the same
-in chunks of a few tokens, and with room for one sequence at a time (preemption). Sequences run past the sliding window, so the sliding layers
-see only part of their context. A multimodal Gemma 3 checkpoint's language model on text. And
-how config.json's Gemma fields are read."""
+in chunks of a few tokens, and with room for one sequence at a time (preemption). Sequences run
+past the sliding window, so the sliding layers see only part of their context. A multimodal
+Gemma 3 checkpoint's language model on text. And how config.json's Gemma fields are read."""
 
 from __future__ import annotations
 
