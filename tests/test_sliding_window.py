@@ -331,3 +331,89 @@ def test_a_backend_that_cannot_apply_the_window_is_refused(
     )
     with pytest.raises(ValueError, match="attention_backend: no windows here"):
         Engine(model=str(mistral), device="cpu", dtype="float32", attention_backend="torch")
+
+
+# ---- blocks out of every window go back -----------------------------------------------------------
+
+
+def test_a_long_generation_holds_a_bounded_number_of_blocks(mistral: Path) -> None:
+    """16 KV blocks of 4 tokens: a 23-token prompt plus 150 generated tokens (44 blocks' worth)
+    fits only because the blocks behind the window are released, and the tokens are still
+    transformers'."""
+    engine = Engine(
+        model=str(mistral), device="cpu", dtype="float32", num_threads=1, block_size=4,
+        kv_cache_memory=16 * 2 * 2 * 4 * 2 * 16 * 4,  # blocks x K,V x layers x slots x heads x dim x 4 B
+        max_num_batched_tokens=8, enable_prefix_caching=True,
+    )  # fmt: skip
+    assert engine.num_blocks == 16 and engine.kv.sliding_window == WINDOW
+    held: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def watched(now: float) -> Any:
+        out = schedule(now)
+        held.append(engine.kv.num_used_blocks)
+        return out
+
+    engine.scheduler.schedule = watched  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    (out,) = LLM(engine=engine).generate([PROMPTS[0]], params)
+    assert out.output_token_ids == _transformers_tokens(mistral, [PROMPTS[0]], 150)[0]
+    # the window (16 keys) and a chunk of 8 span at most 7 blocks of 4
+    assert max(held) <= engine.kv.max_blocks_held(173, 8) == 7
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_mixed_full_and_windowed_layers_release_nothing(qwen2: Path) -> None:
+    engine = Engine(model=str(qwen2), device="cpu", dtype="float32", kv_cache_memory=1 << 20)
+    assert engine.kv.sliding_window is None
+    assert engine.kv.max_blocks_held(173, 8) == engine.kv.blocks_needed(173)
+
+
+def _request(rid: str, tokens: list[int]) -> Any:
+    from cbgen.engine.request import Request
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    return Request(rid, tokens, params, arrival_time=0.0)
+
+
+def test_released_and_skipped_blocks_never_enter_the_cache_under_another_prefix() -> None:
+    """Cache hits before the first query's window are placed, not taken; the pool may hand them
+    out again at once, and registering the request's blocks must not record them under the
+    prefix they no longer hold."""
+    from cbgen.engine.kv_cache import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=10, block_size=4, sliding_window=6)
+    prompt = list(range(100, 140))  # 10 blocks
+    a = _request("a", prompt)
+    assert kv.allocate_slots(a, 40) is not None
+    kv.cache_blocks(a, 40)
+    a.num_computed_tokens = 40
+    assert kv.free_out_of_window(a) == 8  # keys 35.. are in the next query's window
+    assert kv.num_used_blocks == 2
+    kv.free(a)
+    assert kv.num_used_blocks == 0
+    # b: the same 40 tokens and 8 more: 10 hits, of which the 8 wholly before the first query's
+    # window (from 40 - 6 + 1 on) are placed but not taken
+    b = _request("b", prompt + list(range(8)))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 40
+    new = kv.allocate_slots(b, 8, hits)
+    hit_ids = [blk.block_id for blk in hits]
+    assert new is not None and new[:10] == hit_ids
+    assert kv.req_num_dropped["b"] == 8 and [blk.ref_cnt for blk in hits[8:]] == [1, 1]
+    assert set(new[10:]) <= set(hit_ids[:8])  # the pool handed skipped hits straight back
+    assert [blk.ref_cnt for blk in hits[:8]] == [int(i in new[10:]) for i in hit_ids[:8]]
+    b.num_computed_tokens = 40
+    kv.cache_blocks(b, 48)
+    # every cached block holds what its hash says: no block b writes is cached under the tokens
+    # of a position it was skipped at
+    table = kv.block_ids("b")
+    live = {bid: i for i, bid in enumerate(table) if i >= 8}
+    tokens = b.all_token_ids
+    for block_id in kv.pool.cached.values():
+        block = kv.pool.blocks[block_id]
+        if block_id in live:
+            i = live[block_id]
+            assert block.token_ids == tuple(tokens[i * 4 : (i + 1) * 4])
+    kv.free(b)
+    assert kv.num_used_blocks == 0 and all(blk.ref_cnt == 0 for blk in kv.pool.blocks)

@@ -146,7 +146,16 @@ class Engine:
         self._grammars: Grammars | None = None  # built when a request first has a constraint
         self.load_time_s = time.perf_counter() - t0
         self.num_blocks = self._num_kv_blocks()
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # Blocks out of every layer's window go back while a request runs (continuous
+        # scheduling), which needs a window in every layer.
+        windows = [w for w in mc.layer_windows if w is not None]
+        release = len(windows) == mc.num_hidden_layers and config.scheduling_policy != "static"
+        self.kv = KVCacheManager(
+            self.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            max(windows) if release else None,
+        )
         self.scheduler: Scheduler
         if config.scheduling_policy == "static":
             self.scheduler = StaticScheduler(
@@ -420,7 +429,7 @@ class Engine:
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        need = self.kv.blocks_needed(n + params.max_tokens)
+        need = self.kv.max_blocks_held(n + params.max_tokens, self.config.max_num_batched_tokens)
         if need > self.num_blocks:
             raise ValueError(
                 f"max_tokens: prompt + max_tokens needs {need} KV blocks, the cache has {self.num_blocks}"

@@ -23,6 +23,20 @@ own next block before the step runs (a partial hit), so the prefix is reused dow
 token. Only blocks registered in an earlier step qualify: blocks are registered when
 scheduled, before the forward pass writes them.
 
+With a sliding window W in every layer, a query at position p reads keys p - W + 1 .. p only,
+so the blocks wholly before the window of a request's next query are released while it runs
+(free_out_of_window), and cache hits that lie before it are never taken:
+
+    block table:  | b7 | b2 | b9 | b4 | b5 |
+                  |dropped  |window ...|new |        next query at p, window from p - W + 1
+                   ^ req_num_dropped = 2
+
+A dropped block keeps its place in the table (ids stay aligned with positions) but no
+reference: every attention path starts at the window's first block, so it is never read again,
+whoever holds it by then. It goes back to the free queue still cached, so its prefix stays
+reusable by others as long as nobody overwrites it. With full-attention layers beside the
+windowed ones (Gemma 2, Qwen2's lower layers) nothing can be dropped.
+
 The manager never picks a victim and never writes into a request: it answers "no room" with
 None and the scheduler decides what to do.
 """
@@ -207,8 +221,21 @@ class BlockPool:
 class KVCacheManager:
     """Block tables per request on top of a BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
+        """sliding_window: the window of a model whose every layer has one (the largest where
+        they differ); None keeps every block of a request until it ends."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window: must be >= 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.req_num_dropped: dict[str, int] = {}
+        """How many of a request's leading blocks it no longer holds (out of every window)."""
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -293,6 +320,37 @@ class KVCacheManager:
         tokens = request.all_token_ids[start : min(start + bs, request.num_tokens - 1)]
         return self.pool.lookup_partial(parent, parent_id, tokens)
 
+    def _out_of_window(self, num_computed: int) -> int:
+        """Leading blocks that no query from position num_computed on reads: those wholly
+        before num_computed - W + 1."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def free_out_of_window(self, request: Request) -> int:
+        """Release the request's blocks that its next query's window has left behind (kept in
+        the table, unreferenced; see the module docstring). Returns how many were released."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return 0
+        done = self.req_num_dropped.get(rid, 0)
+        upto = min(self._out_of_window(request.num_computed_tokens), len(blocks))
+        if upto <= done:
+            return 0
+        self.pool.free_blocks(list(reversed(blocks[done:upto])))  # a prefix outlives its tails
+        self.req_num_dropped[rid] = upto
+        return upto - done
+
+    def max_blocks_held(self, num_tokens: int, max_new_tokens: int) -> int:
+        """The most blocks a request of num_tokens in all holds at once when a step computes
+        at most max_new_tokens of it: all of them, or under a window those spanning the first
+        query's window and the new tokens."""
+        need = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return need
+        return min(need, self.blocks_needed(self.sliding_window - 1 + max_new_tokens) + 1)
+
     def new_step(self) -> None:
         """A scheduling step begins: blocks registered before now have their K/V written."""
         self.pool.step += 1
@@ -317,8 +375,11 @@ class KVCacheManager:
         need = (
             self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(computed_blocks)
         )
+        # Hits before the first query's window are not taken, only placed (see free_out_of_window).
+        skip = min(self._out_of_window(num_computed), len(computed_blocks)) if not blocks else 0
+        taken = computed_blocks[skip:]
         # Hits sitting idle in the free queue are no longer free once taken.
-        idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        idle_hits = sum(1 for b in taken if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - idle_hits:
             if not blocks:
                 del self.req_blocks[request.request_id]
@@ -326,7 +387,9 @@ class KVCacheManager:
         if not blocks:  # an admission: count its hits once (a retry after "no room" is not)
             self.num_queries += request.num_tokens
             self.num_hits += len(computed_blocks) * self.block_size + num_partial
-        self.pool.touch(computed_blocks)
+            if skip:
+                self.req_num_dropped[request.request_id] = skip
+        self.pool.touch(taken)
         new = self.pool.get_new_blocks(max(need, 0))
         blocks.extend(computed_blocks)
         blocks.extend(new)
@@ -343,7 +406,9 @@ class KVCacheManager:
         rid = request.request_id
         bs = self.block_size
         num_full = min(num_computed_tokens // bs, len(self.req_blocks.get(rid, ())))
-        start = self.req_num_registered.get(rid, 0)
+        # dropped blocks are not the request's any more (another may hold them by now): they
+        # were registered before they were dropped, or were cache hits already
+        start = max(self.req_num_registered.get(rid, 0), self.req_num_dropped.get(rid, 0))
         if num_full <= start:
             return
         hashes = self._hashes(request, num_full)
@@ -360,7 +425,8 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so that a prefix outlives its tails."""
         blocks = self.req_blocks.pop(request.request_id, [])
-        self.pool.free_blocks(list(reversed(blocks)))
+        dropped = self.req_num_dropped.pop(request.request_id, 0)
+        self.pool.free_blocks(list(reversed(blocks[dropped:])))
         self.req_hashes.pop(request.request_id, None)
         self.req_num_registered.pop(request.request_id, None)
 

@@ -4,7 +4,9 @@ Each step every request is granted some new tokens so that num_computed_tokens c
 with num_tokens (see request.py). The order of work in one step:
 
   1. running requests, in admission order: a decode is 1 token; a prompt gets what is left of
-     the token budget (a chunk). When the KV cache has no room, the most recently admitted
+     the token budget (a chunk). Under a sliding window in every layer, the blocks its window
+     has left behind are released first (KVCacheManager.free_out_of_window), so a long
+     generation holds a bounded number of blocks. When the KV cache has no room, the most recently admitted
      running request is preempted (blocks freed, num_computed_tokens = 0, back to the head of
      the queue) until there is room or the request itself was the victim;
   2. waiting requests, FCFS, while slots, tokens and blocks allow; nobody is admitted in a
@@ -163,6 +165,7 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            self.kv.free_out_of_window(req)
             new_blocks = self.kv.allocate_slots(req, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
