@@ -211,12 +211,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny_hf_model(kind: str, folder: Path, seed: int = 0) -> Path:
+def make_tiny_hf_model(kind: str, folder: Path, seed: int = 0, **changes: Any) -> Path:
     """Random weights (std 0.5, so logits are far apart and greedy is well defined),
-    saved by transformers as config.json + model.safetensors."""
+    saved by transformers as config.json + model.safetensors; `changes` override fields of
+    TINY_CONFIGS[kind] (the same seed gives the same weights where the shapes stay)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg_kwargs = dict(TINY_CONFIGS[kind])
+    cfg_kwargs = {**TINY_CONFIGS[kind], **changes}
     model_type = cfg_kwargs.pop("model_type")
     cfg = AutoConfig.for_model(
         model_type, **cfg_kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=0

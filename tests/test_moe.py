@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import TINY_CONFIGS, make_tiny_hf_model
 from safetensors.torch import save_file
 
 from cbgen.config import EngineConfig, SamplingParams
@@ -45,8 +46,6 @@ NEW_TOKENS = 16
 
 
 def hf_config(kind: str, **changes: Any) -> dict[str, Any]:
-    from conftest import TINY_CONFIGS
-
     return {**TINY_CONFIGS[kind], **changes}
 
 
@@ -320,26 +319,6 @@ def test_triton_ops_greedy_tokens_match_torch_ops(
     assert calls and calls[0] == 3 * (len(prompts[0]) + len(prompts[1]))  # a prefill, 3 per token
 
 
-def write_tiny(kind: str, folder: Path, **changes: Any) -> Path:
-    """The conftest's tiny checkpoint of `kind` with config changes (the same seed and init)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = hf_config(kind, **changes)
-    cfg = AutoConfig.for_model(
-        fields.pop("model_type"), **fields, bos_token_id=1, eos_token_id=2, pad_token_id=0
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.2)
-    model.save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize(
     ("kind", "window"),
     [("mixtral", {}), ("qwen3_moe", {"use_sliding_window": True})],
@@ -351,7 +330,7 @@ def test_sliding_window_matches_transformers(
     """A window of 8 in every layer (Mixtral whenever set, Qwen3-MoE with use_sliding_window),
     prompts and generations past it: transformers' tokens, which differ from the same weights'
     without a window."""
-    folder = write_tiny(kind, tmp_path / kind, sliding_window=8, **window)
+    folder = make_tiny_hf_model(kind, tmp_path / kind, sliding_window=8, **window)
     expected = hf_greedy(folder, PROMPTS)
     assert expected != hf_greedy(tiny_model_dir(kind), PROMPTS)
     for backend in ("torch", "cpu"):
