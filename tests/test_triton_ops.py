@@ -143,6 +143,23 @@ def test_rope_on_contiguous_heads(dtype: torch.dtype, head_dim: int) -> None:
 
 
 @DTYPES
+@pytest.mark.parametrize("rotary", [48, 32])  # Phi-4-mini's 0.75 of 64; half of it
+def test_partial_rotary_turns_the_first_dims_of_each_head(dtype: torch.dtype, rotary: int) -> None:
+    """Tables for rotary < head_dim dims: those of each head turn, the rest pass through."""
+    head_dim, heads = 64, 3
+    q = randn(9, heads * head_dim, seed=rotary, dtype=dtype, scale=2.0)
+    positions = torch.arange(9, device=DEVICE) * 37
+    cos, sin = rope_tables(rotary)
+    want, got = q.clone(), q.clone()
+    TORCH_OPS.rope_(want, heads, head_dim, TORCH_OPS.rope_tables(cos, sin, positions, dtype))
+    ops().rope_(got, heads, head_dim, ops().rope_tables(cos, sin, positions, dtype))
+    assert torch.equal(got, want)
+    by_head, before = got.view(9, heads, head_dim), q.view(9, heads, head_dim)
+    assert torch.equal(by_head[..., rotary:], before[..., rotary:])
+    assert not torch.equal(by_head[1:, :, :rotary], before[1:, :, :rotary])
+
+
+@DTYPES
 @pytest.mark.parametrize("inter", [48, 1100])  # 1100: two programs a row, the second masked
 @pytest.mark.parametrize("tokens", [1, 7, 33])
 def test_silu_mul_matches_torch_ops(dtype: torch.dtype, inter: int, tokens: int) -> None:

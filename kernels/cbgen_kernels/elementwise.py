@@ -40,6 +40,7 @@ def _rope_kernel(
     stride_x,
     stride_table,
     NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -56,7 +57,7 @@ def _rope_kernel(
     c = round_to(c, dtype, SOFT_BF16).to(tl.float32)[None, :]
     s = round_to(s, dtype, SOFT_BF16).to(tl.float32)[None, :]
     mask = (heads[:, None] < NUM_HEADS) & dim_mask[None, :]
-    first = x_ptr + tok * stride_x + heads[:, None] * (2 * HALF) + dims[None, :]
+    first = x_ptr + tok * stride_x + heads[:, None] * HEAD_DIM + dims[None, :]
     x1 = tl.load(first, mask=mask).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
     x1_cos = round_to(x1 * c, dtype, SOFT_BF16).to(tl.float32)
@@ -76,13 +77,14 @@ def rope_(
     sin: torch.Tensor,
 ) -> None:
     """Rotate the first num_heads * head_dim columns of every row of x [T, >= that] (rows may
-    be strided) in place, at positions [T], from the float32 tables cos, sin [P, head_dim / 2]."""
+    be strided) in place, at positions [T], from the float32 tables cos, sin [P, R / 2]: the
+    first R dims of each head (R = head_dim, or fewer under partial rotary)."""
     if x.dim() != 2 or x.shape[1] < num_heads * head_dim or x.stride(-1) != 1:
         raise ValueError(
             f"rope_: x must be [T, >= {num_heads * head_dim}] with contiguous rows, got shape "
             f"{tuple(x.shape)} strides {x.stride()}"
         )
-    if head_dim % 2 or cos.shape != sin.shape or cos.shape[-1] != head_dim // 2:
+    if head_dim % 2 or cos.shape != sin.shape or not 0 < 2 * cos.shape[-1] <= head_dim:
         raise ValueError(
             f"rope_: tables of shape {tuple(cos.shape)} do not fit head_dim {head_dim}"
         )
@@ -93,7 +95,7 @@ def rope_(
     if x.shape[0] == 0:
         return
     cos, sin = cos.contiguous(), sin.contiguous()
-    half = head_dim // 2
+    half = cos.shape[-1]
     _rope_kernel[(x.shape[0],)](
         x,
         positions.contiguous(),
@@ -102,6 +104,7 @@ def rope_(
         x.stride(0),
         cos.stride(0),
         NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
         HALF=half,
         HEADS_PAD=triton.next_power_of_2(num_heads),
         HALF_PAD=triton.next_power_of_2(half),
