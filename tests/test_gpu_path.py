@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import Device, EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.runner import ModelRunner, NewRequestInfo, _draw_seed
 from cbgen.engine.sampler import Sampler, SamplingRow
@@ -80,6 +80,7 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
         "bf16_top1",
         "sampling",
         "memory",
+        "graphs",
         "throughput",
         "roofline_8b",
     ]
@@ -88,6 +89,8 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
         assert section["passed"] and section["figures"], name
     assert results["sections"]["memory"]["figures"] == {"skipped": "needs CUDA"}
     assert results["sections"]["sampling"]["figures"]["preemptions"] > 0
+    graphs = results["sections"]["graphs"]["figures"]  # no graphs on the CPU: padded steps
+    assert graphs["padded_steps"] > 0 and graphs["identical"] == "6/6"
     assert results["vs_transformers_cb"] > 0
     assert results["roofline_ratio_8b_b256"] is None  # toy shapes: not the 8B figure
     assert all(t["met"] is None for t in results["targets"].values())
@@ -157,7 +160,7 @@ def test_a_step_reads_the_device_once(
     """On the triton path (the interpreter here), a step that admits prompts while others
     decode and a decode-only step each read device memory on the host once: the sampled ids.
     bfloat16, so the float32-only CPU paths (packed weights, the bf16 head) stay out."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device: Device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = Engine(
         EngineConfig(
             model=str(tiny_model_dir("llama")),

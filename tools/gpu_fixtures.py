@@ -193,9 +193,12 @@ def time_decode_step(
     batch: DecodeBatch,
     sync: Callable[[], None],
     iters: int,
+    graph: bool = False,
 ) -> float:
     """Median seconds of one decode step: forward, LM head on every row, argmax, and the read
-    of the sampled ids (the step's one device-to-host copy)."""
+    of the sampled ids (the step's one device-to-host copy). graph (CUDA): the forward pass
+    replayed from a CUDA graph, the LM head and argmax eager after it, as the engine runs a
+    decode step."""
 
     def step() -> None:
         backend.prepare(batch.meta)
@@ -204,6 +207,18 @@ def time_decode_step(
 
     step()  # compiles and warms up
     sync()
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            backend.prepare(batch.meta)
+            hidden = model(batch.input_ids, batch.positions, caches, batch.meta, backend)
+
+        def step() -> None:
+            captured.replay()
+            model.compute_logits(hidden).argmax(dim=-1).tolist()
+
+        step()
+        sync()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()

@@ -10,6 +10,8 @@ an exception is the driver's to record.
     sampling      seeded draws the same in any batch; top-k / top-p / min-p / penalties; prefix-
                   cache partial hits and preemption give the tokens of an unconstrained run
     memory        the measured peak stays inside gpu_memory_utilization x total memory
+    graphs        greedy tokens with CUDA graphs for decode steps equal those with
+                  enforce_eager; decode steps timed both ways at several batch sizes
     throughput    cbgen against transformers' continuous batching (generate_batch) on one
                   ShareGPT-like workload; a SmolLM2-135M-shape decode step at batch 256
     roofline_8b   a Llama-8B-shape decode step at batch 256, context 512, against the time to
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ import torch
 
 from cbgen.attention import get_attention_backend
 from cbgen.config import Device, Dtype, EngineConfig, SamplingParams
+from cbgen.engine.cuda_graphs import capture_sizes
 from cbgen.engine.engine import Engine
 from cbgen.engine.profile import build_profile_batch
 from cbgen.llm import LLM
@@ -572,11 +575,19 @@ def throughput(ctx: CheckContext) -> bool:
     caches = kv_caches(
         engine.model_config, step.num_blocks, engine.config.block_size, engine.dtype, ctx.device
     )
-    f[f"decode_step_ms_b{batch}_ctx{context}_eager"] = 1000 * time_decode_step(
-        engine.model, engine.backend, caches, step, ctx.sync, iters=5 if ctx.quick else 20
-    )
-    has_graphs = "enforce_eager" in {field.name for field in fields(EngineConfig)}
-    f["graphs"] = "not measured" if has_graphs else "not implemented"
+    for graph in [False, True] if ctx.cuda else [False]:
+        f[f"decode_step_ms_b{batch}_ctx{context}_{'graphs' if graph else 'eager'}"] = (
+            1000
+            * time_decode_step(
+                engine.model,
+                engine.backend,
+                caches,
+                step,
+                ctx.sync,
+                iters=5 if ctx.quick else 20,
+                graph=graph,
+            )
+        )
     del engine, caches
     ctx.free()
     hf = _hf_model(path, torch.bfloat16, ctx.device)
@@ -585,6 +596,114 @@ def throughput(ctx: CheckContext) -> bool:
     ctx.free()
     f["vs_transformers_cb"] = f["cbgen"]["total_tok_s"] / f["transformers_cb"]["total_tok_s"]
     return True
+
+
+# ---- graphs ---------------------------------------------------------------------------------
+
+
+def _decode_run(
+    engine: Engine, prompts: list[list[int]], lengths: list[int], tag: str
+) -> tuple[list[list[int]], list[float]]:
+    """Greedy tokens of each prompt (max_tokens from lengths), and the duration (ms) of every
+    decode-only step. tag: the request ids' prefix, new for each run of an engine."""
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        engine.add_request(f"{tag}{i}", p, params)
+    tokens: dict[str, list[int]] = {}
+    decode_ms = []
+    while engine.has_unfinished_requests():
+        out = engine.step()
+        if out.stats.num_prefill_tokens == 0:
+            decode_ms.append(1000 * out.stats.duration_s)
+        tokens.update((o.request_id, o.output_token_ids) for o in out.finished)
+    return [tokens[f"{tag}{i}"] for i in range(len(prompts))], decode_ms
+
+
+def graphs(ctx: CheckContext) -> bool:
+    """Float32 greedy tokens with decode steps replayed from CUDA graphs equal those of an
+    enforce_eager engine on the same weights (output lengths differ, so decode batches shrink
+    through sizes that are no bucket and get padded); then decode steps of the SmolLM2-135M
+    shape in bfloat16, timed both ways at several batch sizes (median engine step while every
+    request decodes). On the CPU, which has no graphs, padded eager steps stand in for them."""
+    f = ctx.figures
+    name = next(iter(ctx.shapes()))
+    num, out_len, seqs = (6, 6, 8) if ctx.quick else (40, 48, 32)
+    prompts = sharegpt_like_prompts(
+        num, _vocab(ctx, name), seed=5, max_len=12 if ctx.quick else 200
+    )
+    lengths = [out_len // 2 + (7 * i) % (out_len // 2 + 1) for i in range(num)]
+    # max_model_len 256: a capture picks split-KV for max_model_len, an eager step for its
+    # longest context; at 256 both take one split, so the two runs launch the same kernels
+    base = ctx.engine(ctx.checkpoint(name), "float32", max_num_seqs=seqs, max_model_len=256)
+    eager = Engine(base.config.replace(enforce_eager=True), share_weights_with=base)
+    replays = _count_replays(base, seqs)
+    with_graphs, _ = _decode_run(base, prompts, lengths, "g")
+    without, _ = _decode_run(eager, prompts, lengths, "g")
+    same = sum(a == b for a, b in zip(with_graphs, without, strict=True))
+    prefix = sum(_common_prefix(a, b) for a, b in zip(with_graphs, without, strict=True)) / num
+    f.update(
+        model=name,
+        decode_steps=base.describe().rsplit("decode steps: ", 1)[-1]
+        if ctx.cuda
+        else "padded eager",
+        identical=f"{same}/{num}",
+        mean_common_prefix=prefix,
+        replayed_steps=replays["steps"],
+        padded_steps=replays["padded"],
+    )
+    passed = same == num and replays["padded"] > 0
+    del base, eager
+    ctx.free()
+    # timing: the throughput model, short prompts, every request decoding
+    path = ctx.checkpoint("smollm2-135m", torch.bfloat16)
+    sizes = (1, 4) if ctx.quick else (1, 8, 64, 256)
+    timed = ctx.engine(path, "bfloat16", max_num_seqs=sizes[-1], max_model_len=1024)
+    untimed = Engine(timed.config.replace(enforce_eager=True), share_weights_with=timed)
+    vocab = _vocab(ctx, "smollm2-135m")
+    steps_ms: dict[str, dict[str, float]] = {}
+    for b in sizes:
+        prompts = sharegpt_like_prompts(b, vocab, seed=6, max_len=32)
+        n = 4 if ctx.quick else 24
+        row = {}
+        default = "graphs" if timed.runner.graphs is not None else "default"
+        for label, engine in ((default, timed), ("eager", untimed)):
+            _decode_run(engine, prompts[:1], [2], f"w{b}-")  # warm: nothing compiles later
+            _, ms = _decode_run(engine, prompts, [n] * b, f"t{b}-")
+            row[f"{label}_ms"] = statistics.median(ms)
+        row["speedup"] = row["eager_ms"] / row[f"{default}_ms"]
+        steps_ms[f"b{b}"] = row
+        if ctx.left() < 10:
+            break
+    f["decode_step"] = steps_ms
+    del timed, untimed
+    ctx.free()
+    return passed
+
+
+def _count_replays(engine: Engine, seqs: int) -> dict[str, int]:
+    """Counts of the engine's graph replays and padded decode steps, as they happen; on the
+    CPU the runner pads decode steps to the buckets and runs them eagerly."""
+    runner = engine.runner
+    counts = {"steps": 0, "padded": 0}
+    if runner.graphs is None:
+        runner.pad_decodes(capture_sizes(seqs))
+    else:
+        replay = runner.graphs.replay
+
+        def counting(size: int) -> torch.Tensor:
+            counts["steps"] += 1
+            return replay(size)
+
+        runner.graphs.replay = counting  # type: ignore[method-assign]
+    prepare = runner.prepare_inputs
+
+    def padded(out: Any) -> Any:
+        result = prepare(out)
+        counts["padded"] += result[2].seq_lens.shape[0] > len(out.scheduled)
+        return result
+
+    runner.prepare_inputs = padded  # type: ignore[method-assign]
+    return counts
 
 
 # ---- roofline_8b -----------------------------------------------------------------------------

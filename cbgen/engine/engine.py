@@ -187,12 +187,17 @@ class Engine:
         self.graphs_off = graphs_unavailable(self.device, self.backend.name, config.enforce_eager)
         """Why decode steps run eagerly (None: they replay CUDA graphs)."""
         if self.graphs_off is None:
-            graphs = self.runner.capture_graphs(capture_sizes(config.max_num_seqs))
-            logger.info(
-                "captured %d CUDA graphs for decode steps in %.1f s",
-                len(graphs),
-                graphs.capture_time_s,
-            )
+            try:
+                graphs = self.runner.capture_graphs(capture_sizes(config.max_num_seqs))
+            except RuntimeError as e:  # an op that cannot be captured: run eagerly, say why
+                self.graphs_off = f"capture failed: {str(e).splitlines()[0]}"
+                logger.warning("CUDA graphs: %s; decode steps run eagerly", self.graphs_off)
+            else:
+                logger.info(
+                    "captured %d CUDA graphs for decode steps in %.1f s",
+                    len(graphs),
+                    graphs.capture_time_s,
+                )
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None and mc.eos_token_ids:
             eos = mc.eos_token_ids[0]
