@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cbgen.engine import engine as engine_mod
+from cbgen.engine import memory
 from cbgen.engine.engine import Engine
 from cbgen.engine.memory import GiB, check_cpu_memory, cpu_model_bytes
 from cbgen.models.config import BUILTIN_SHAPES
@@ -32,6 +33,7 @@ def test_an_8b_model_in_float32_is_refused_before_loading(monkeypatch: pytest.Mo
         "virtual_memory",
         lambda: SimpleNamespace(available=20 * GiB, total=24 * GiB),
     )
+    monkeypatch.setattr(memory, "cgroup_available", lambda: None)  # no container limit below it
     t0 = time.perf_counter()
     with pytest.raises(ValueError) as e:
         Engine(model="llama-8b", load_format="dummy", device="cpu", dtype="float32")
