@@ -42,3 +42,25 @@ def test_an_8b_model_in_float32_is_refused_before_loading(monkeypatch: pytest.Mo
     assert message.startswith("model llama-8b needs about ")
     assert "GiB of memory in float32 on the CPU (weights and their packed copies)" in message
     assert "20.0 GiB is available: use --dtype bfloat16 (about 1" in message
+
+
+def test_a_mixture_of_experts_counts_its_experts_once() -> None:
+    """The stacked expert weights are not packed: float32 keeps them once, the rest three times."""
+    from conftest import TINY_CONFIGS
+
+    from cbgen.engine.memory import expert_parameters
+    from cbgen.models.config import ModelConfig
+    from cbgen.models.registry import build_model
+
+    mc = ModelConfig.from_hf_dict(TINY_CONFIGS["qwen3_moe"])
+    model = build_model(mc, 64)
+    stacked = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj")
+    )
+    assert stacked == expert_parameters(mc) > 0
+    params = mc.num_parameters()
+    assert cpu_model_bytes(mc, torch.float32) == 4 * (3 * (params - stacked) + stacked)
+    assert cpu_model_bytes(mc, torch.bfloat16) == 2 * params
+    assert expert_parameters(BUILTIN_SHAPES["llama-8b"]) == 0

@@ -34,10 +34,21 @@ def _size(n: float) -> str:
 
 def cpu_model_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
     """The weights' memory on the CPU: in float32 each matmul weight is kept with two packed
-    copies (oneDNN's layout and small_gemm's panels), so about three times the checkpoint."""
+    copies (oneDNN's layout and small_gemm's panels), so about three times the checkpoint;
+    a mixture of experts' stacked expert weights are kept once."""
     elt = torch.finfo(dtype).bits // 8
-    weights = mc.num_parameters() * elt
-    return 3 * weights if dtype == torch.float32 else weights
+    params = mc.num_parameters()
+    if dtype != torch.float32:
+        return params * elt
+    experts = expert_parameters(mc)
+    return (3 * (params - experts) + experts) * elt
+
+
+def expert_parameters(mc: ModelConfig) -> int:
+    """The parameters of the experts' stacked weights (gate, up and down of each), 0 for a
+    dense model."""
+    sparse = sum(mc.is_sparse_layer(n) for n in range(mc.num_hidden_layers))
+    return sparse * mc.num_experts * 3 * mc.hidden_size * mc.moe_intermediate_size
 
 
 def _read_int(path: Path) -> int | None:
