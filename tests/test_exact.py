@@ -147,9 +147,9 @@ def test_smollm2_long_prompts_through_the_prefill_kernel_match_transformers(
     calls = {"with context": 0, "without": 0}
     kernel = kernels.prefill_attention_f32
 
-    def counting(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> Any:
+    def counting(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *rest: Any) -> Any:
         calls["with context" if key.shape[0] > query.shape[0] else "without"] += 1
-        return kernel(query, key, value, scale)
+        return kernel(query, key, value, *rest)
 
     monkeypatch.setattr(kernels, "prefill_attention_f32", counting)
     # the kernel even where the build prefers SDPA for long chunks (AVX2)
