@@ -418,28 +418,19 @@ def paged_attention(
     """Attention of query [T, H, D] over the paged cache, one launch for the whole mixed batch.
     max_query_len (host int) picks the tile shape; without it it is read from query_start_loc.
     sliding_window, logit_softcap: as cbgen.attention.base (None: none)."""
-    num_tokens, num_heads, num_kv_heads, head_dim = _check_inputs(query, kv_cache)
-    if out is None:
-        out = torch.empty_like(query)
-    if num_tokens == 0:
-        return out
-    if max_query_len is None:
-        max_query_len = _max_query_len(query_start_loc)
-    cfg = choose_config(num_heads, num_kv_heads, head_dim, max_query_len)
-    _launch(
+    return paged_attention_split_kv(
         query,
         kv_cache,
         block_table,
         query_start_loc,
         seq_lens,
         scale,
-        cfg,
-        out,
-        None,
-        sliding_window,
-        logit_softcap,
+        num_splits=1,
+        max_query_len=max_query_len,
+        out=out,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
     )
-    return out
 
 
 @dataclass
