@@ -274,7 +274,14 @@ PROMPTS = [
 ]
 
 
+_HF_TOKENS: dict[tuple[Path, tuple[int, ...], int], list[int]] = {}
+"""transformers' greedy tokens by (checkpoint, prompt, count): each backend's test asks again."""
+
+
 def _transformers_tokens(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    keys = [(folder, tuple(p), n) for p in prompts]
+    if all(k in _HF_TOKENS for k in keys):
+        return [_HF_TOKENS[k] for k in keys]
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
@@ -289,6 +296,7 @@ def _transformers_tokens(folder: Path, prompts: list[list[int]], n: int) -> list
             pad_token_id=0,
         )  # fmt: skip
         out.append(full[0, len(prompt) :].tolist())
+    _HF_TOKENS.update(zip(keys, out, strict=True))
     return out
 
 
@@ -312,15 +320,17 @@ ENGINE_BACKENDS = ["torch", "cpu", "triton"]
 @pytest.mark.parametrize("backend", ENGINE_BACKENDS)
 def test_mistral_past_the_window_matches_transformers(mistral: Path, backend: str) -> None:
     prompts = [*PROMPTS, PROMPTS[1]]  # the repeat is served from the prefix cache
-    got = _cbgen_tokens(mistral, backend, prompts, 20)
-    assert got == _transformers_tokens(mistral, prompts, 20)
+    n = 8 if backend == "triton" else 20  # (the interpreter is slow; every prompt is past 16)
+    got = _cbgen_tokens(mistral, backend, prompts, n)
+    assert got == _transformers_tokens(mistral, prompts, n)
 
 
 @pytest.mark.parametrize("backend", ENGINE_BACKENDS)
 def test_qwen2_with_windowed_upper_layers_matches_transformers(qwen2: Path, backend: str) -> None:
     assert ModelConfig.from_json(qwen2 / "config.json").layer_windows == (None, 12, 12)
-    got = _cbgen_tokens(qwen2, backend, PROMPTS, 16)
-    assert got == _transformers_tokens(qwen2, PROMPTS, 16)
+    n = 8 if backend == "triton" else 16
+    got = _cbgen_tokens(qwen2, backend, PROMPTS, n)
+    assert got == _transformers_tokens(qwen2, PROMPTS, n)
 
 
 def test_a_backend_that_cannot_apply_the_window_is_refused(
