@@ -7,7 +7,10 @@
   wholly before each window hold NaN, so that a backend reading them (even masked) fails;
 - whole engines token-for-token against transformers (eager attention, float32, greedy) past
   the window, with chunked prefill and prefix caching: a tiny Mistral (window 16) and a tiny
-  Qwen2 whose upper layers alone are windowed.
+  Qwen2 whose upper layers alone are windowed;
+- the KV blocks behind every layer's window going back to the pool: a long generation in a
+  cache too small for all of it, and the prefix cache never recording a released block under
+  a prefix it no longer holds.
 """
 
 from __future__ import annotations
