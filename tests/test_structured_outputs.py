@@ -341,3 +341,19 @@ def test_cbgen_run_applies_run_wide_and_row_constraints_and_resume_checks_them(
     assert "--json-schema / --regex / --choice" in changed.stderr
     several = run([*args, "--regex", "a", "--choice", "b"])
     assert several.returncode == 2 and "--regex and --choice: give one constraint" in several.stderr
+
+
+def test_json_object_is_any_compact_object(chat_model: Path) -> None:
+    from cbgen.models.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(str(chat_model), "dummy"))
+    grammars = Grammars(tok, len(tok), [tok.eos_token_id])
+
+    def accepts(text: str) -> bool:
+        state = grammars.state(StructuredOutputs(json_object=True))
+        for t in [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]:
+            state.accept(t)
+        return state.finished and not state.failed
+
+    assert accepts('{"a": [1, {"b": null}], "c": "x"}') and accepts("{}")
+    assert not accepts("[1]") and not accepts('{ "a": 1}') and not accepts('{"a": 1')

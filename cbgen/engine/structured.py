@@ -27,6 +27,8 @@ import torch
 
 from cbgen.config import StructuredOutputs
 
+ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
+"""json_object's schema: any JSON object."""
 CACHE_LIMIT = 256
 """Compiled grammars kept (the least recently compiled is dropped first)."""
 
@@ -115,8 +117,9 @@ class Grammars:
 
     def _compile(self, spec: StructuredOutputs) -> Any:
         c = self.compiler
+        # JSON without free whitespace: small models otherwise wander into endless blank lines
         if spec.json_object:
-            return c.compile_builtin_json_grammar()
+            return c.compile_json_schema(ANY_OBJECT, any_whitespace=False)
         if spec.json is not None:
             return c.compile_json_schema(spec.key[1], any_whitespace=False)
         if spec.regex is not None:
