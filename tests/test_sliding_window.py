@@ -336,6 +336,26 @@ def test_qwen2_with_windowed_upper_layers_matches_transformers(qwen2: Path, back
     assert got == _transformers_tokens(qwen2, PROMPTS, n)
 
 
+def test_auto_passes_over_a_flash_build_without_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not select.triton_interpreted() and not torch.cuda.is_available():
+        pytest.skip("triton needs CUDA or its interpreter")
+
+    class OldFlash(TorchAttentionBackend):
+        name = "flash"
+
+        def unsupported(self, sliding_window: bool, logit_softcap: bool) -> str | None:
+            return "flash: this build takes no window_size" if sliding_window else None
+
+    monkeypatch.setattr(select, "resolve_backend_name", lambda *args: "flash")
+    monkeypatch.setattr(select, "FlashAttentionBackend", OldFlash)
+    monkeypatch.setattr(select, "triton_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert select.get_attention_backend("auto", cuda).name == "flash"
+    assert select.get_attention_backend("auto", cuda, sliding_window=True).name == "triton"
+    with pytest.raises(ValueError, match="attention_backend: flash: this build takes no window"):
+        select.get_attention_backend("flash", cuda, sliding_window=True)
+
+
 def test_a_backend_that_cannot_apply_the_window_is_refused(
     mistral: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

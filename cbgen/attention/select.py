@@ -1,7 +1,8 @@
 """Which attention backend runs: the auto choice, and why an explicit choice cannot run.
 
-auto on CUDA   flash when vllm_flash_attn imports and takes the dtype and block size,
-               else triton when it imports, else torch
+auto on CUDA   flash when vllm_flash_attn imports and takes the dtype and block size (and
+               the model's sliding window / soft-capping), else triton when it imports,
+               else torch
 auto elsewhere cpu (the C kernels, the torch path where they cannot run)
 """
 
@@ -72,9 +73,22 @@ def get_attention_backend(
     device: torch.device,
     dtype: torch.dtype | None = None,
     block_size: int | None = None,
+    sliding_window: bool = False,
+    logit_softcap: bool = False,
 ) -> AttentionBackend:
-    """The backend to run: see resolve_backend_name."""
-    name = resolve_backend_name(requested, device, dtype, block_size)
+    """The backend to run: see resolve_backend_name. For a model with sliding windows or
+    soft-capping, auto passes over a flash build that cannot apply them; an explicit choice
+    that cannot raises ValueError saying why."""
+    backend = _build(resolve_backend_name(requested, device, dtype, block_size))
+    why = backend.unsupported(sliding_window, logit_softcap)
+    if why is not None and requested == "auto" and backend.name == "flash" and triton_available():
+        backend, why = TritonAttentionBackend(), None
+    if why is not None:  # never attend without what the model's layers ask for
+        raise ValueError(f"attention_backend: {why}")
+    return backend
+
+
+def _build(name: str) -> AttentionBackend:
     if name == "cpu":
         return CpuAttentionBackend()
     if name == "torch":

@@ -103,13 +103,13 @@ class Engine:
         else:
             self.max_prompt_len = self.max_model_len
         self.backend = get_attention_backend(
-            config.attention_backend, self.device, self.dtype, config.block_size
+            config.attention_backend,
+            self.device,
+            self.dtype,
+            config.block_size,
+            sliding_window=mc.sliding_window is not None,
+            logit_softcap=mc.attn_logit_softcap is not None,
         )
-        why = self.backend.unsupported(
-            mc.sliding_window is not None, mc.attn_logit_softcap is not None
-        )
-        if why is not None:  # never attend without what the model's layers ask for
-            raise ValueError(f"attention_backend: {why} (the model {self.source.name} needs it)")
         self.tokenizer: Any
         self.model: CausalLM
         self.weight_dtype = self.dtype
