@@ -147,6 +147,8 @@ BAD_ENGINE_CONFIG: list[tuple[str, Any]] = [
     ("static_batch_size", 0),
     ("num_threads", 0),
     ("revision", ""), ("revision", 3), ("download_dir", ""),
+    ("enforce_eager", "yes"),
+    ("cpu_weight_dtype", "fp8"),
 ]  # fmt: skip
 
 
