@@ -16,6 +16,7 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.cuda_graphs import bucket_for, capture_sizes, graphs_unavailable
 from cbgen.engine.engine import Engine
 from cbgen.engine.runner import ModelRunner
+from cbgen.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from cbgen.engine.step_inputs import PAD_SLOT
 
 MAX_NUM_SEQS = 13  # buckets 1, 2, 4, 8, 13: most batch sizes of the runs below are padded
@@ -216,3 +217,67 @@ def test_a_step_beyond_the_buffers_capacity_is_refused(
     runner.buffers.max_num_tokens = 8  # as if the scheduler had overrun its budget
     with pytest.raises(ValueError, match="max_num_batched_tokens: a step of 39 tokens"):
         runner.execute(out)
+
+
+SAMPLED = [
+    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=0.9, seed=1, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_p=0.8, seed=2, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=1.2, top_k=5, min_p=0.05, seed=3, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=0.5, top_k=-1, top_p=0.95, seed=4, max_tokens=6, ignore_eos=True),
+]
+
+
+def test_staged_sampling_parameters_give_the_samplers_own_draws() -> None:
+    """The sampler given the rows' parameters as device tensors (in any subset of rows) draws
+    what it draws when it makes them from the rows itself."""
+    vocab = 64
+    logits = torch.randn(len(SAMPLED), vocab, generator=torch.Generator().manual_seed(0))
+
+    def rows() -> list[SamplingRow]:
+        return [
+            SamplingRow(p, [1, 2, 3], 3, torch.Generator().manual_seed(10 + i), ())
+            for i, p in enumerate(SAMPLED)
+        ]
+
+    staged = SamplingTensors(
+        torch.tensor([p.temperature for p in SAMPLED]),
+        torch.tensor([p.top_k for p in SAMPLED]),
+        torch.tensor([p.top_p for p in SAMPLED]),
+        torch.tensor([p.min_p for p in SAMPLED]),
+    )
+    for _ in range(3):
+        assert Sampler()(logits.clone(), rows(), staged) == Sampler()(logits.clone(), rows())
+    sub = [1, 3]
+    picked = [rows()[i] for i in sub]
+    got = Sampler()(logits[sub].clone(), picked, staged.select(torch.tensor(sub)))
+    assert got == Sampler()(logits[sub].clone(), [rows()[i] for i in sub])
+
+
+def test_the_runner_stages_sampling_parameters_without_changing_a_token(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    folder = tiny_model_dir("llama")
+
+    def sample(engine: Engine) -> dict[str, list[int]]:
+        for i in range(10):
+            engine.add_request(f"s{i}", [3 + i, 9, 27, 81 % 250], SAMPLED[i % len(SAMPLED)])
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step().finished:
+                done[o.request_id] = o.output_token_ids
+        return done
+
+    staged = make_engine(folder)
+    seen: list[SamplingTensors | None] = []
+    call = staged.runner.sampler.__call__
+
+    def spy(logits: torch.Tensor, rows: Any, tensors: SamplingTensors | None = None) -> Any:
+        seen.append(tensors)
+        return call(logits, rows, tensors)
+
+    staged.runner.sampler = spy  # type: ignore[assignment]
+    unstaged = make_engine(folder)
+    unstaged.runner._stage_sampling = lambda request_ids: None  # type: ignore[method-assign]
+    assert sample(staged) == sample(unstaged)
+    assert seen and all(t is not None for t in seen)

@@ -31,7 +31,7 @@ from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.config import SamplingParams
 from cbgen.engine.cuda_graphs import DecodeGraphs, bucket_for
 from cbgen.engine.logprobs import PositionLogprobs
-from cbgen.engine.sampler import Sampler, SamplingRow, position_logprobs
+from cbgen.engine.sampler import Sampler, SamplingRow, SamplingTensors, position_logprobs
 from cbgen.engine.scheduler import SchedulerOutput
 from cbgen.engine.step_inputs import StepBuffers, fill_padding
 from cbgen.engine.structured import GrammarState
@@ -137,6 +137,8 @@ class ModelRunner:
         """Bucket sizes decode-only steps are padded to (none: no padding)."""
         self.graphs: DecodeGraphs | None = None
         """Their captured forward passes (CUDA only; None: padded steps run eagerly)."""
+        self.staged_sampling: SamplingTensors | None = None
+        """The step's sampling rows' parameters, staged by prepare_inputs (None: all greedy)."""
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.rows: dict[str, _RowState] = {}
         self.infos: dict[str, NewRequestInfo] = {}
@@ -242,6 +244,7 @@ class ModelRunner:
         sample_mask = np.fromiter((s.will_sample for s in sched), dtype=bool, count=num_seqs)
         logits_indices = ends[sample_mask] - 1
         host["logits_indices"][: len(logits_indices)] = logits_indices
+        self.staged_sampling = self._stage_sampling([s.request_id for s in sched if s.will_sample])
         num_rows = self._decode_bucket(out) or num_seqs
         if num_rows > num_seqs:
             fill_padding(host, num_seqs, num_rows)
@@ -253,6 +256,22 @@ class ModelRunner:
             int(num_new.max()),
             int(seq_lens.max()),
             bs,
+        )
+
+    def _stage_sampling(self, request_ids: list[str]) -> SamplingTensors | None:
+        """The sampling rows' temperature, top-k, top-p and min-p, in the staging buffers so
+        they travel with the step's one copy (None when every row is greedy)."""
+        params = [self.infos[rid].params for rid in request_ids]
+        if all(p.greedy for p in params):
+            return None
+        n = len(params)
+        host, dev = self.buffers.host, self.buffers.dev
+        host["temperature"][:n] = [p.temperature for p in params]
+        host["top_k"][:n] = [p.top_k for p in params]
+        host["top_p"][:n] = [p.top_p for p in params]
+        host["min_p"][:n] = [p.min_p for p in params]
+        return SamplingTensors(
+            dev["temperature"][:n], dev["top_k"][:n], dev["top_p"][:n], dev["min_p"][:n]
         )
 
     def pad_decodes(self, sizes: tuple[int, ...]) -> None:
@@ -382,7 +401,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden if len(rest) == len(rows) else hidden[rest])
             asking = [j for j, i in enumerate(rest) if rows[i].params.logprobs is not None]
             raw = logits[asking] if asking else None  # a copy: the sampler works in place
-            for i, token in zip(rest, self.sampler(logits, [rows[i] for i in rest]), strict=True):
+            staged = self.staged_sampling
+            if staged is not None and len(rest) < len(rows):
+                staged = staged.select(torch.tensor(rest, device=logits.device))
+            picked = self.sampler(logits, [rows[i] for i in rest], staged)
+            for i, token in zip(rest, picked, strict=True):
                 tokens[i] = token
             if raw is not None:
                 picked = [rest[j] for j in asking]

@@ -193,25 +193,52 @@ def _filters(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
 
 
+@dataclass(frozen=True)
+class SamplingTensors:
+    """The rows' sampling parameters already on the logits' device (the runner stages them
+    with the step's inputs, cbgen.engine.step_inputs): row i is the sampler's row i."""
+
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = all
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+
+    def select(self, index: torch.Tensor) -> SamplingTensors:
+        """The rows index (a tensor on the same device)."""
+        return SamplingTensors(
+            *(t[index] for t in (self.temperature, self.top_k, self.top_p, self.min_p))
+        )
+
+
 def _rows(sel: list[int], n: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """The rows sel of each tensor (of n rows): the tensors themselves when sel is all of them."""
     return list(tensors) if len(sel) == n else [t[sel] for t in tensors]
 
 
 def _sample_torch(
-    ps: Sequence[SamplingParams], sub: torch.Tensor, temp: torch.Tensor, u: torch.Tensor
+    ps: Sequence[SamplingParams],
+    sub: torch.Tensor,
+    temp: torch.Tensor,
+    u: torch.Tensor,
+    staged: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Divide by the temperature, apply the masks, then the first token whose cumulative
     weight exceeds u x total: never a zero-weight token (adding 0 leaves the sum exactly as it
-    was), never past the last one. sub [B, V] is the sampler's own: modified in place."""
+    was), never past the last one. sub [B, V] is the sampler's own: modified in place.
+    staged: the rows' (top_k, top_p, min_p) on the device (None: made from ps)."""
     vocab = sub.shape[-1]
     dev = sub.device
     sub = sub.div_(temp[:, None])
-    sub = filter_logits(
-        sub,
+    top_k, top_p, min_p = staged or (
         torch.tensor([p.top_k for p in ps], device=dev),
         torch.tensor([p.top_p for p in ps], device=dev, dtype=sub.dtype),
         torch.tensor([p.min_p for p in ps], device=dev, dtype=sub.dtype),
+    )
+    sub = filter_logits(
+        sub,
+        top_k,
+        top_p,
+        min_p,
         # from the parameters, not the device (a row they flag that the tensors would not,
         # such as a top_p that rounds to 1.0 in float32, is left unmasked all the same)
         truncate=any(p.top_k > 0 or p.top_p < 1.0 for p in ps),
@@ -244,8 +271,14 @@ def position_logprobs(
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        """logits [B, V] for the B requests in rows; returns one token id per row."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        staged: SamplingTensors | None = None,
+    ) -> list[int]:
+        """logits [B, V] for the B requests in rows; returns one token id per row. staged:
+        the rows' parameters on the device already (None: made from their params)."""
         logits = logits.float()
         vocab = logits.shape[-1]
         constrained = [i for i, row in enumerate(rows) if row.constrained]
@@ -282,7 +315,13 @@ class Sampler:
             sub = logits if every_row else logits[idx]  # logits are ours: the step's own
             ps = [rows[i].params for i in random_rows]
             dev = logits.device
-            temp = torch.tensor([p.temperature for p in ps], device=dev, dtype=sub.dtype)
+            if staged is not None and not every_row:
+                staged = staged.select(idx)
+            temp = (
+                torch.tensor([p.temperature for p in ps], device=dev, dtype=sub.dtype)
+                if staged is None
+                else staged.temperature
+            )
             u = torch.cat(
                 [torch.rand(1, generator=rows[i].generator, device="cpu") for i in random_rows]
             ).to(dev)
@@ -301,8 +340,12 @@ class Sampler:
                     picked[kernel] = got
             rest = sorted(set(range(len(ps))) - set(kernel))
             if rest:
+                filters = None
+                if staged is not None:
+                    filters = _rows(rest, len(ps), staged.top_k, staged.top_p, staged.min_p)
+                rest_sub, rest_temp, rest_u = _rows(rest, len(ps), sub, temp, u)
                 picked[rest] = _sample_torch(
-                    [ps[i] for i in rest], *_rows(rest, len(ps), sub, temp, u)
+                    [ps[i] for i in rest], rest_sub, rest_temp, rest_u, filters
                 )
             out[idx] = picked
         return out.tolist()

@@ -11,6 +11,9 @@ first rows of each view:
     positions         int64   max_tokens                         [:T]
     slot_mapping      int64   max_tokens                         [:T]
     logits_indices    int64   max_num_seqs                       [:rows that sample]
+    temperature       float32 max_num_seqs                       [:rows that sample], when
+    top_k             int64   max_num_seqs                        any of them samples at
+    top_p, min_p      float32 max_num_seqs                        random (sampler.SamplingTensors)
     query_start_loc   int32   max_num_seqs + 1                   [:B + 1]
     seq_lens          int32   max_num_seqs                       [:B]
     block_table       int32   max_num_seqs x max_blocks_per_seq  [:B], every column
@@ -60,7 +63,7 @@ class _Section:
         return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
 
 
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
 class StepBuffers:
@@ -83,6 +86,10 @@ class StepBuffers:
             ("positions", torch.int64, (max_num_tokens,)),
             ("slot_mapping", torch.int64, (max_num_tokens,)),
             ("logits_indices", torch.int64, (max_num_seqs,)),
+            ("temperature", torch.float32, (max_num_seqs,)),
+            ("top_k", torch.int64, (max_num_seqs,)),
+            ("top_p", torch.float32, (max_num_seqs,)),
+            ("min_p", torch.float32, (max_num_seqs,)),
             ("query_start_loc", torch.int32, (max_num_seqs + 1,)),
             ("seq_lens", torch.int32, (max_num_seqs,)),
             ("block_table", torch.int32, (max_num_seqs, max_blocks_per_seq)),
