@@ -9,8 +9,9 @@
   the window, with chunked prefill and prefix caching: a tiny Mistral (window 16) and a tiny
   Qwen2 whose upper layers alone are windowed;
 - the KV blocks behind every layer's window going back to the pool: a long generation in a
-  cache too small for all of it, and the prefix cache never recording a released block under
-  a prefix it no longer holds.
+  cache too small for all of it, random scheduler workloads (the scheduler tests' fake model)
+  reading every window position from blocks they hold, and the prefix cache never recording a
+  released block under a prefix it no longer holds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_scheduler import _prefix_ids, default_token, make_request, workloads
 
 from cbgen.attention import AttentionBackend, AttentionMetadata, select
 from cbgen.attention.cpu_backend import CpuAttentionBackend
@@ -34,6 +38,8 @@ from cbgen.attention.triton_backend import TritonAttentionBackend, TritonPlan
 from cbgen.config import SamplingParams
 from cbgen.cpu import kernels
 from cbgen.engine.engine import Engine
+from cbgen.engine.kv_cache import KVCacheManager
+from cbgen.engine.scheduler import Scheduler, SchedulerOutput
 from cbgen.llm import LLM
 from cbgen.models.config import ModelConfig
 
@@ -413,8 +419,6 @@ def test_released_and_skipped_blocks_never_enter_the_cache_under_another_prefix(
     """Cache hits before the first query's window are placed, not taken; the pool may hand them
     out again at once, and registering the request's blocks must not record them under the
     prefix they no longer hold."""
-    from cbgen.engine.kv_cache import KVCacheManager
-
     kv = KVCacheManager(num_blocks=10, block_size=4, sliding_window=6)
     prompt = list(range(100, 140))  # 10 blocks
     a = _request("a", prompt)
@@ -450,3 +454,103 @@ def test_released_and_skipped_blocks_never_enter_the_cache_under_another_prefix(
             assert block.token_ids == tuple(tokens[i * 4 : (i + 1) * 4])
     kv.free(b)
     assert kv.num_used_blocks == 0 and all(blk.ref_cnt == 0 for blk in kv.pool.blocks)
+
+
+class WindowRunner:
+    """The scheduler tests' fake runner under a window: it records which prefix each KV slot
+    holds, writes a step's new K/V first (as every backend does, layer by layer), then checks
+    that every query reads the right prefix at every position of its window, from blocks its
+    request still holds (so that nobody else can overwrite them)."""
+
+    def __init__(self, sched: Scheduler, window: int) -> None:
+        self.sched, self.window, self.bs = sched, window, sched.kv.block_size
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.slots: dict[int, int] = {}
+        self.num_reads = 0
+
+    def slot(self, rid: str, pos: int) -> int:
+        return self.tables[rid][pos // self.bs] * self.bs + pos % self.bs
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        for rid in (*out.finished_ids, *out.preempted_ids):
+            self.tokens.pop(rid, None)
+            self.tables.pop(rid, None)
+        for s in out.scheduled:  # partial prefix hits: copied before the step
+            if s.kv_copy is not None:
+                src, dst, n = s.kv_copy
+                for k in range(n):
+                    self.slots[dst * self.bs + k] = self.slots[src * self.bs + k]
+        prefixes = {}
+        for s in out.scheduled:
+            rid = s.request_id
+            if s.new_token_ids is not None:
+                self.tokens[rid], self.tables[rid] = list(s.new_token_ids), []
+            self.tables[rid].extend(s.new_block_ids)
+            assert self.tables[rid] == self.sched.kv.block_ids(rid)
+            end = s.num_computed_tokens + s.num_new_tokens
+            prefixes[rid] = prefix = _prefix_ids(self.tokens[rid][:end])
+            for pos in range(s.num_computed_tokens, end):
+                self.slots[self.slot(rid, pos)] = prefix[pos]
+        sampled: dict[str, int] = {}
+        for s in out.scheduled:
+            rid, prefix = s.request_id, prefixes[s.request_id]
+            held_from = self.sched.kv.req_num_dropped.get(rid, 0) * self.bs
+            for pos in range(max(0, s.num_computed_tokens - self.window + 1), len(prefix)):
+                assert pos >= held_from, (rid, pos, "read from a released block")
+                assert self.slots.get(self.slot(rid, pos)) == prefix[pos], (rid, pos)
+                self.num_reads += 1
+            if s.will_sample:
+                tokens = self.tokens[rid]
+                token = default_token(rid, len(tokens) - self.sched.requests[rid].num_prompt_tokens)
+                tokens.append(token)
+                sampled[rid] = token
+        return sampled
+
+
+def _check_ref_counts(kv: KVCacheManager) -> None:
+    """A block's count is the number of requests holding it (released entries do not)."""
+    holders: dict[int, int] = {}
+    for rid, blocks in kv.req_blocks.items():
+        for b in blocks[kv.req_num_dropped.get(rid, 0) :]:
+            holders[b.block_id] = holders.get(b.block_id, 0) + 1
+    for block in kv.pool.blocks:
+        assert block.ref_cnt == holders.get(block.block_id, 0)
+        assert (block.block_id in kv.pool.free_queue) == (block.ref_cnt == 0)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.integers(1, 20))
+def test_random_workloads_under_a_window_read_only_what_they_hold(
+    work: tuple[dict[str, Any], list[tuple[int, int, int]]], window: int
+) -> None:
+    """The scheduler tests' random workloads (shared prefixes, whole repeats, tight caches,
+    preemptions, chunking on and off, caching on and off) with blocks released behind a window:
+    every window position reads its own prefix's K/V from a block its request holds, and the
+    outputs are the fake model's."""
+    cfg, specs = work
+    kv = KVCacheManager(
+        cfg["num_blocks"], cfg["block_size"], enable_caching=cfg["caching"], sliding_window=window
+    )
+    sched = Scheduler(kv, cfg["max_num_seqs"], cfg["max_num_batched_tokens"], cfg["chunked"])
+    runner = WindowRunner(sched, window)
+    prefixes = [[900 + 3 * j + i % 3 for i in range(24)] for j in range(3)]
+    reqs = []
+    for i, (plen, max_tokens, group) in enumerate(specs):
+        if group == 3:
+            prompt = list(range(500, 500 + plen))
+        else:
+            prompt = [*(prefixes[group] + [i] * 40)[: plen - 1], 10000 + i]
+        reqs.append(make_request(f"r{i}", prompt, max_tokens))
+        sched.add_request(reqs[-1])
+    for step in range(10_000):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule(now=float(step))
+        _check_ref_counts(kv)
+        sched.update_from_output(out, runner.execute(out), now=float(step))
+    assert not sched.has_unfinished() and kv.num_free_blocks == kv.num_blocks
+    for r in reqs:
+        assert r.output_token_ids == [
+            default_token(r.request_id, j) for j in range(r.sampling_params.max_tokens)
+        ]
