@@ -224,6 +224,13 @@ def make_tiny_hf_model(kind: str, folder: Path, seed: int = 0, **changes: Any) -
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return save_random(model, folder, seed)
+
+
+def save_random(model: Any, folder: Path, seed: int = 0) -> Path:
+    """A transformers model's weights drawn anew (norms near 1, std 0.5 for the embedding and
+    head, 0.2 elsewhere) and saved as config.json + model.safetensors."""
+    torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -232,6 +239,23 @@ def make_tiny_hf_model(kind: str, folder: Path, seed: int = 0, **changes: Any) -
                 p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.2)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def tiny_engine(folder: Path, **options: Any) -> Any:
+    """cbgen's Engine on a tiny checkpoint, as the token-exact tests run it: CPU, float32,
+    blocks of 4 tokens, 8 MiB of KV cache, one thread; options override the config."""
+    from cbgen.config import EngineConfig
+    from cbgen.engine.engine import Engine
+
+    config = EngineConfig(
+        model=str(folder),
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=8 << 20,
+        block_size=4,
+        num_threads=1,
+    )
+    return Engine(config.replace(**options))
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import tiny_engine
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
 
@@ -58,14 +59,19 @@ def settings(prompt_lens: list[int], engine_for_sizes: Engine) -> dict[str, dict
     longest = max(prompt_lens) + NEW_TOKENS
     per_block = engine_for_sizes.kv_bytes_per_block
     bs = engine_for_sizes.config.block_size
+    chunk = max(1, min(prompt_lens) // 3)
+    # room for the longest request plus a little: several requests cannot coexist
+    preempt: dict[str, Any] = {"enable_prefix_caching": False}
+    windows = engine_for_sizes.model_config.layer_windows
+    if windows and None not in windows:
+        # a window in every layer: a request holds at most its window and a chunk of blocks
+        preempt["max_num_batched_tokens"] = chunk
+        longest = min(longest, max(w for w in windows if w is not None) + chunk)
+    preempt["kv_cache_memory"] = per_block * (-(-longest // bs) + 2)
     return {
         "default": {},
-        "chunked": {"max_num_batched_tokens": max(1, min(prompt_lens) // 3)},
-        # room for the longest request plus a little: several requests cannot coexist
-        "preempt": {
-            "kv_cache_memory": per_block * (-(-longest // bs) + 2),
-            "enable_prefix_caching": False,
-        },
+        "chunked": {"max_num_batched_tokens": chunk},
+        "preempt": preempt,
         "one_slot": {"max_num_seqs": 1},
     }
 
@@ -282,16 +288,7 @@ def test_tiny_models_greedy_match_transformers(
     folder = tiny_model_dir(kind)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in TINY_PROMPTS]
-    base = Engine(
-        EngineConfig(
-            model=str(folder),
-            device="cpu",
-            dtype="float32",
-            kv_cache_memory=8 << 20,
-            block_size=4,
-            num_threads=1,
-        )
-    )
+    base = tiny_engine(folder)
     for name, overrides in settings([len(p) for p in TINY_PROMPTS], base).items():
         got, preemptions = run_cbgen(base, overrides, TINY_PROMPTS)
         if name == "preempt":

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TINY_CONFIGS, make_tiny_hf_model
+from conftest import TINY_CONFIGS, make_tiny_hf_model, tiny_engine
 from safetensors.torch import save_file
 
 from cbgen.config import EngineConfig, SamplingParams
@@ -211,15 +211,7 @@ def hf_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def cbgen_greedy(folder: Path, **overrides: Any) -> list[list[int]]:
-    cfg = EngineConfig(
-        model=str(folder),
-        device="cpu",
-        dtype="float32",
-        kv_cache_memory=8 << 20,
-        block_size=4,
-        num_threads=1,
-    )
-    engine = Engine(cfg.replace(**overrides))
+    engine = tiny_engine(folder, **overrides)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = LLM(engine=engine).generate(PROMPTS, params)
     assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import tiny_engine
 from test_exact import NEW_TOKENS, hf_greedy, run_cbgen, settings
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import SamplingParams
 from cbgen.cpu.kernels import fused_ops_available
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
@@ -41,17 +42,8 @@ SHORT_PROMPTS = prompts([9, 21, 12, ORIGINAL - NEW_TOKENS], seed=1)
 
 
 def engine(folder: Path, **options: Any) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=str(folder),
-            device="cpu",
-            dtype="float32",
-            kv_cache_memory=8 << 20,
-            block_size=4,
-            num_threads=1,
-            **options,
-        )
-    )
+    engine: Engine = tiny_engine(folder, **options)
+    return engine
 
 
 def hf_model(folder: Path) -> Any:

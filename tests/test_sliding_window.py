@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import save_random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler import _prefix_ids, default_token, make_request, workloads
@@ -235,18 +236,6 @@ def test_backend_applies_the_window_and_the_cap(
 # ---- whole engines against transformers ------------------------------------------------------------
 
 
-def _save(model: Any, folder: Path) -> Path:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.2)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
-
-
 SHAPE = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=256, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -260,7 +249,7 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     cfg = MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **SHAPE)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    return _save(model, tmp_path_factory.mktemp("mistral"))
+    return save_random(model, tmp_path_factory.mktemp("mistral"))
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +261,7 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
         **SHAPE,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    return _save(model, tmp_path_factory.mktemp("qwen2"))
+    return save_random(model, tmp_path_factory.mktemp("qwen2"))
 
 
 PROMPTS = [
