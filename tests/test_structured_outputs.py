@@ -188,7 +188,8 @@ def test_a_spec_gives_exactly_one_kind() -> None:
         with pytest.raises(ValueError, match=f"^structured_outputs: .*{re.escape(why)}"):
             StructuredOutputs.coerce(bad)
     # choices are literal text, not patterns
-    assert re.fullmatch(choice_regex(["a.b", "c|d", "(x)"]), "c|d")
+    literal = ["a.b", "c|d", "(x)", "e\\f", "g/h"]
+    assert all(re.fullmatch(choice_regex(literal), c) for c in literal)
     assert not re.fullmatch(choice_regex(["a.b"]), "axb")
 
 

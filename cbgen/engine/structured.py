@@ -30,12 +30,12 @@ from cbgen.config import StructuredOutputs
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
 """json_object's schema: any JSON object."""
 CACHE_LIMIT = 256
-"""Compiled grammars kept (the least recently compiled is dropped first)."""
+"""Compiled grammars kept (the least recently used is dropped first)."""
 
 
 def choice_regex(choices: Sequence[str]) -> str:
     """An alternation matching exactly one of the strings (regex metacharacters escaped)."""
-    return "(" + "|".join(re.sub(r"([.^$*+?()\[\]{}|\\/])", r"\\\1", c) for c in choices) + ")"
+    return "(" + "|".join(re.sub(r"([.^$*+?()\[\]{}|\\])", r"\\\1", c) for c in choices) + ")"
 
 
 @dataclass(frozen=True)
