@@ -260,6 +260,9 @@ def test_on_a_thinking_model_the_constraint_starts_after_the_reasoning(
     )
     start, end = e.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     prompt = e.tokenize("Think, then answer.")
+    # rows without a constraint never build the grammar machinery
+    LLM(engine=e).generate([prompt], SamplingParams(max_tokens=3))
+    assert e._grammars is None
     some = e.tokenize(" hmm")[0]
     # reasoning runs free (here: four forced tokens, then </think>), the answer is a choice
     forced = SamplingParams(
