@@ -66,6 +66,14 @@ class RunnerOutput:
     """Requests whose grammar ended with this step's token (or refused it)."""
 
 
+SAMPLING_FIELDS = (
+    ("temperature", np.float32),
+    ("top_k", np.int64),
+    ("top_p", np.float32),
+    ("min_p", np.float32),
+)
+"""The SamplingParams fields the runner stages per row (sampler.SamplingTensors, in order)."""
+
 PROMPT_LOGITS_ROWS = 256
 """Prompt positions per LM-head call when scoring a prompt: bounds the logits tensor."""
 
@@ -126,6 +134,12 @@ class ModelRunner:
         ]
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self.row_sampling = {
+            name: np.zeros(max_num_seqs, dtype=dtype) for name, dtype in SAMPLING_FIELDS
+        }
+        """Per row, like block_table: the sampling parameters of the request holding it."""
+        self.row_random = np.zeros(max_num_seqs, dtype=bool)
+        """Per row: whether its request samples at random (not greedy)."""
         self.max_model_len = max_model_len
         self.buffers = StepBuffers(
             max_num_seqs,
@@ -181,6 +195,10 @@ class ModelRunner:
                 self._drop_row(s.request_id)
                 state = _RowState(self.free_rows.pop(), list(s.new_token_ids), 0)
                 self.rows[s.request_id] = state
+                params = self.infos[s.request_id].params
+                for name, _ in SAMPLING_FIELDS:
+                    self.row_sampling[name][state.row] = getattr(params, name)
+                self.row_random[state.row] = not params.greedy
             else:
                 state = self.rows[s.request_id]
             n = len(s.new_block_ids)
@@ -244,7 +262,7 @@ class ModelRunner:
         sample_mask = np.fromiter((s.will_sample for s in sched), dtype=bool, count=num_seqs)
         logits_indices = ends[sample_mask] - 1
         host["logits_indices"][: len(logits_indices)] = logits_indices
-        self.staged_sampling = self._stage_sampling([s.request_id for s in sched if s.will_sample])
+        self.staged_sampling = self._stage_sampling(rows[sample_mask])
         num_rows = self._decode_bucket(out) or num_seqs
         if num_rows > num_seqs:
             fill_padding(host, num_seqs, num_rows)
@@ -258,21 +276,17 @@ class ModelRunner:
             bs,
         )
 
-    def _stage_sampling(self, request_ids: list[str]) -> SamplingTensors | None:
-        """The sampling rows' temperature, top-k, top-p and min-p, in the staging buffers so
-        they travel with the step's one copy (None when every row is greedy)."""
-        params = [self.infos[rid].params for rid in request_ids]
-        if all(p.greedy for p in params):
+    def _stage_sampling(self, rows: np.ndarray) -> SamplingTensors | None:
+        """The temperature, top-k, top-p and min-p of the sampling requests in these rows, in
+        the staging buffers so they travel with the step's one copy (None when all are
+        greedy: the sampler needs none)."""
+        if not self.row_random[rows].any():
             return None
-        n = len(params)
-        host, dev = self.buffers.host, self.buffers.dev
-        host["temperature"][:n] = [p.temperature for p in params]
-        host["top_k"][:n] = [p.top_k for p in params]
-        host["top_p"][:n] = [p.top_p for p in params]
-        host["min_p"][:n] = [p.min_p for p in params]
-        return SamplingTensors(
-            dev["temperature"][:n], dev["top_k"][:n], dev["top_p"][:n], dev["min_p"][:n]
-        )
+        n = len(rows)
+        host = self.buffers.host
+        for name, _ in SAMPLING_FIELDS:
+            self.row_sampling[name].take(rows, out=host[name][:n])
+        return SamplingTensors(*self.buffers.sampling_views(n))
 
     def pad_decodes(self, sizes: tuple[int, ...]) -> None:
         """Pad every decode-only step to the smallest of sizes that holds it (eagerly unless

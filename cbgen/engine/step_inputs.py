@@ -116,6 +116,7 @@ class StepBuffers:
             end = s.offset + s.nbytes
             self.host[s.name] = host_bytes[s.offset : end].view(_NUMPY[s.dtype]).reshape(s.shape)
             self.dev[s.name] = self.device_arena[s.offset : end].view(s.dtype).view(s.shape)
+        self._views: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self._copied: torch.cuda.Event | None = None
         """Recorded after the last copy: the host arena is not rewritten before it is done."""
 
@@ -150,22 +151,43 @@ class StepBuffers:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """A step's (input_ids, positions, metadata, logits_indices): the first rows of the
         device views."""
-        dev = self.dev
+        input_ids, positions, slot_mapping = self._rows("tokens", num_tokens)
+        query_start_loc, seq_lens, block_table = self._rows("seqs", num_seqs)
         meta = AttentionMetadata(
-            slot_mapping=dev["slot_mapping"][:num_tokens],
-            query_start_loc=dev["query_start_loc"][: num_seqs + 1],
-            seq_lens=dev["seq_lens"][:num_seqs],
-            block_table=dev["block_table"][:num_seqs],
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             block_size=block_size,
         )
-        return (
-            dev["input_ids"][:num_tokens],
-            dev["positions"][:num_tokens],
-            meta,
-            dev["logits_indices"][:num_sampling],
-        )
+        return input_ids, positions, meta, self._rows("sampling", num_sampling)[0]
+
+    def sampling_views(self, n: int) -> tuple[torch.Tensor, ...]:
+        """The first n rows of temperature, top_k, top_p and min_p on the device."""
+        return self._rows("params", n)
+
+    def _rows(self, kind: str, n: int) -> tuple[torch.Tensor, ...]:
+        """The first n rows of the device views of one kind, made once per n (slicing a tensor
+        costs about a microsecond, and a run meets few distinct sizes)."""
+        views = self._views.get((kind, n))
+        if views is None:
+            dev = self.dev
+            if kind == "tokens":
+                views = (dev["input_ids"][:n], dev["positions"][:n], dev["slot_mapping"][:n])
+            elif kind == "params":  # sampler.SamplingTensors' fields, in order
+                views = tuple(dev[name][:n] for name in ("temperature", "top_k", "top_p", "min_p"))
+            elif kind == "seqs":
+                views = (
+                    dev["query_start_loc"][: n + 1],
+                    dev["seq_lens"][:n],
+                    dev["block_table"][:n],
+                )
+            else:
+                views = (dev["logits_indices"][:n],)
+            self._views[(kind, n)] = views
+        return views
 
     def data_ptrs(self) -> dict[str, int]:
         """Each device view's address: constant for the life of the buffers."""
