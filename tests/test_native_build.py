@@ -4,13 +4,19 @@ silently while the engine falls back to its slower torch paths."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from cbgen.cpu import build, kernels
+
+AVX2_FLAGS = ("-mno-avx512f",)
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 
 
 @pytest.mark.skipif(
@@ -27,3 +33,99 @@ def test_every_kernel_source_compiles_and_the_library_loads(tmp_path: Path) -> N
         )
         assert done.returncode == 0, f"{source.name} does not compile:\n{done.stderr}"
     assert kernels.load_library() is not None
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+@pytest.mark.skipif(build.find_compiler() is None, reason="no C compiler")
+def test_the_prefill_kernels_avx512_tiles_compile_on_any_x86_compiler(tmp_path: Path) -> None:
+    """The prefill kernel keeps one tile layout per ISA: the AVX-512 one must keep compiling on
+    a machine whose native build takes the AVX2 one (and the other way round)."""
+    cc = build.find_compiler()
+    assert cc is not None
+    source = build._CSRC / "prefill_attention.c"
+    for isa in (AVX512_FLAGS, AVX2_FLAGS):
+        flags = [*build._FLAGS, *build._SRCS[source], *isa]
+        done = subprocess.run(
+            [cc, *flags, "-c", str(source), "-o", str(tmp_path / "x.o")],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, f"{source.name} with {' '.join(isa)}:\n{done.stderr}"
+        macros = build.probe_target(cc, tuple(flags)).macros
+        assert ("__AVX512F__" in macros) == (isa == AVX512_FLAGS)
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def prefill_build(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> ctypes.CDLL:
+    """The kernels as -march=native builds them, and with AVX-512 switched off (the tiles an
+    AVX2-only CPU gets)."""
+    if request.param == "native":
+        lib = kernels.load_library()
+    else:
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("-mno-avx512f is an x86 flag")
+        made = build.build_library(tmp_path_factory.mktemp("kernels-avx2"), AVX2_FLAGS)
+        assert made.library is not None, made.status()
+        lib = made.library
+    if lib is None:
+        pytest.skip("no C compiler")
+    return lib
+
+
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None,
+    cap: float | None,
+) -> torch.Tensor:
+    """Query row t at position L - Q + t over keys p - W < j <= p, scores capped, in float64."""
+    qlen, heads, _ = q.shape
+    seq_len, kv_heads, _ = k.shape
+    group = heads // kv_heads
+    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    pos = seq_len - qlen + torch.arange(qlen)[:, None]
+    keys = torch.arange(seq_len)[None, :]
+    visible = (keys <= pos) & (keys > pos - (window if window is not None else seq_len + 1))
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
+
+
+@pytest.mark.parametrize(
+    ("qlen", "ctx", "heads", "kv_heads", "d", "window", "cap"),
+    [
+        (1, 0, 9, 3, 64, None, None),  # one row, one key
+        (7, 0, 9, 3, 64, None, None),  # fewer rows than a register tile
+        (37, 16, 9, 3, 64, None, None),  # rows not a multiple of a work item, GQA 3:1
+        (50, 100, 9, 3, 128, None, None),  # D = 128 after cached context
+        (70, 30, 4, 4, 64, 20, None),  # no GQA (a work item of one head), a window
+        (45, 90, 9, 3, 64, 33, 5.0),  # window, cap and context together
+        (40, 60, 6, 2, 128, 1, None),  # a window of one key: each row sees itself
+        (33, 40, 8, 1, 64, 500, 2.0),  # a window wider than the sequence, GQA 8:1
+        (9, 5, 26, 1, 64, None, None),  # a group wider than a work item: split
+    ],
+)
+def test_prefill_kernel_matches_a_float64_softmax(
+    prefill_build: ctypes.CDLL,
+    monkeypatch: pytest.MonkeyPatch,
+    qlen: int,
+    ctx: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    window: int | None,
+    cap: float | None,
+) -> None:
+    monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): prefill_build)
+    torch.manual_seed(qlen * 7 + ctx)
+    q = torch.randn(qlen, heads, d) * 2
+    k, v = torch.randn(ctx + qlen, kv_heads, d), torch.randn(ctx + qlen, kv_heads, d)
+    got = kernels.prefill_attention_f32(q, k, v, d**-0.5, window, cap)
+    assert got is not None
+    want = _reference(q, k, v, d**-0.5, window, cap)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)

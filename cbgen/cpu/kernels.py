@@ -399,7 +399,7 @@ def prefill_split() -> tuple[int, bool]:
     kernel). A chunk whose query tokens read at most `rows` K/V rows in all goes to the decode
     kernel, one token at a time; a larger one to prefill_attention_f32 when `kernel`, else to
     torch's SDPA. The build answers, since the kernels' tiles are chosen per ISA when it is
-    compiled (docs/PERFORMANCE.md: 8192 and the kernel with AVX-512; 24576 and SDPA with AVX2).
+    compiled (docs/PERFORMANCE.md: 8192 and the kernel, with AVX-512 and with AVX2).
     (8192, True) without the kernels, where every chunk takes torch's path anyway."""
     lib = load_library()
     if lib is None:

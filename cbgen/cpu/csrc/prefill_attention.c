@@ -17,6 +17,10 @@
  * reductions and rescaling cost about as much per step as a tile's FMAs, hence two tiles a step
  * (32 keys a step measured ~10 % slower). Items are handed out longest first (the last rows see
  * the most keys) to even out the causal triangle.
+ *
+ * That is the AVX-512 layout (32 zmm registers). AVX2 builds (16 ymm registers) compile their own
+ * tiles below: 6 rows x 16 keys for the scores, 6 rows x 16 dimensions for P x V, K transposed
+ * in 16-key blocks, and work items that hold all query heads of one KV head.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,11 +28,245 @@
 #include <string.h>
 
 #include "vexp.h" /* v16, v16u, i16v, vmax16, exp_nonpositive */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
+#define MAX_D 128
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2: 16 ymm registers of 8 floats. A work item is a KV head's group of query heads over a
+ * few consecutive query rows: up to MAXR tile rows (row-major: tile row i is query row i / ng, head
+ * i % ng), so each K and V vector loaded serves every query head that reads it. Scores are
+ * TR tile rows x 16 keys (2 TR accumulators, two K vectors and a broadcast), P x V is TR rows x
+ * 16 dimensions at a time (2 TR accumulators, two V vectors), with TR = 6: 15 registers. */
+#define TR 6    /* tile rows per register tile */
+#define MAXR 24 /* tile rows per work item, a multiple of TR */
+#define KC 64   /* keys per softmax step: four 16-key score tiles */
+#define KT 16   /* keys per score tile: two 8-float vectors */
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+/* The softmax in 8-float vectors: GCC splits vexp.h's 16-float compares and lane max into
+ * scalar code on AVX2, which measured slower than the tiles' FMAs. Lane-wise max; a NaN lane
+ * of a yields b's. */
+static inline v8 vmax8(v8 a, v8 b) { return (v8)_mm256_max_ps((__m256)a, (__m256)b); }
+
+static inline float hmax8(v8 a) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline float hsum8(v8 a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* vexp.h's exp_nonpositive, 8 lanes. */
+static inline v8 exp8(v8 x) {
+    const i8v n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i8v);
+    const v8 nf = __builtin_convertvector(n, v8);
+    v8 r = x - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    i8v bits = (i8v)p + (n << 23);
+    bits &= ~(i8v)(x < -87.33f);
+    return (v8)bits;
+}
+
+/* p[i0 .. i0 + TR)[t0 .. t0 + KT) = scale x tile rows qb[i0 ..] . the KT keys of the
+ * transposed K's block kc ([D][KT]). */
+static inline void score_tile(const float (*qb)[MAX_D], int i0, const float *kc, int64_t D,
+                              float scale, float (*p)[KC], int t0) {
+    v8 a0[TR], a1[TR];
+    for (int i = 0; i < TR; ++i) a0[i] = a1[i] = (v8){0};
+    for (int64_t d = 0; d < D; ++d) {
+        const v8 b0 = *(const v8 *)(kc + d * KT), b1 = *(const v8 *)(kc + d * KT + 8);
+        for (int i = 0; i < TR; ++i) {
+            const float x = qb[i0 + i][d];
+            a0[i] += x * b0;
+            a1[i] += x * b1;
+        }
+    }
+    for (int i = 0; i < TR; ++i) {
+        *(v8u *)(p[i0 + i] + t0) = a0[i] * scale;
+        *(v8u *)(p[i0 + i] + t0 + 8) = a1[i] * scale;
+    }
+}
+
+/* o[i0 .. i0 + TR) += p[..][j0 .. j1) x V rows j0 .. j1, 16 dimensions at a time. */
+static inline void pv_tile(float (*o)[MAX_D], const float (*p)[KC], int i0, const float *v,
+                           int64_t v_stride, int64_t j0, int64_t j1, int64_t D) {
+    for (int64_t c = 0; c < D; c += 16) {
+        v8 a0[TR], a1[TR];
+        for (int i = 0; i < TR; ++i) {
+            a0[i] = *(const v8 *)(o[i0 + i] + c);
+            a1[i] = *(const v8 *)(o[i0 + i] + c + 8);
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+            const float *vr = v + j * v_stride + c;
+            const v8 w0 = *(const v8u *)vr, w1 = *(const v8u *)(vr + 8);
+            for (int i = 0; i < TR; ++i) {
+                const float pj = p[i0 + i][j];
+                a0[i] += pj * w0;
+                a1[i] += pj * w1;
+            }
+        }
+        for (int i = 0; i < TR; ++i) {
+            *(v8 *)(o[i0 + i] + c) = a0[i];
+            *(v8 *)(o[i0 + i] + c + 8) = a1[i];
+        }
+    }
+}
+
+/* K transposed per KV head in blocks of KT keys, [Hkv][lp / KT][D][KT] (keys zero-padded to lp,
+ * a multiple of KC): a score tile's keys are one contiguous block. NULL when out of memory. */
+static float *transpose_k(const float *k, int64_t L, int64_t lp, int64_t Hkv, int64_t D) {
+    float *kt = aligned_alloc(64, (size_t)(Hkv * D * lp) * sizeof(float));
+    if (!kt) return NULL;
+    const int64_t nb = lp / KT;
+#pragma omp parallel for schedule(static)
+    for (int64_t hb = 0; hb < Hkv * nb; ++hb) {
+        const int64_t h = hb / nb, j0 = hb % nb * KT;
+        float *dst = kt + h * D * lp + j0 * D;
+        for (int64_t j = 0; j < KT; ++j) {
+            const float *src = k + ((j0 + j) * Hkv + h) * D;
+            if (j0 + j < L)
+                for (int64_t d = 0; d < D; ++d) dst[d * KT + j] = src[d];
+            else
+                for (int64_t d = 0; d < D; ++d) dst[d * KT + j] = 0.0f;
+        }
+    }
+    return kt;
+}
+
+/* Query rows r0 .. r0 + nr of heads h0 .. h0 + ng (q, out: at head h0; kt, v: their KV head). */
+static void item(const float *q, int64_t q_stride, const float *kt, const float *v,
+                 int64_t v_stride, float *out, int64_t o_stride, int64_t D, int64_t ng, int64_t r0,
+                 int64_t nr, int64_t ctx, float scale, int64_t window, float softcap) {
+    float qb[MAXR][MAX_D] __attribute__((aligned(32)));
+    float o[MAXR][MAX_D] __attribute__((aligned(32)));
+    float p[MAXR][KC] __attribute__((aligned(32)));
+    float m[MAXR], l[MAXR];
+    int64_t pos[MAXR]; /* each tile row's position, -1 for padding */
+    const int rows = (int)(nr * ng), tiles = (rows + TR - 1) / TR * TR;
+    for (int i = 0; i < tiles; ++i) {
+        const int64_t r = i / ng, g = i % ng;
+        pos[i] = i < rows ? ctx + r0 + r : -1;
+        if (i < rows)
+            memcpy(qb[i], q + (r0 + r) * q_stride + g * D, (size_t)D * sizeof(float));
+        else
+            memset(qb[i], 0, (size_t)D * sizeof(float));
+        for (int64_t d = 0; d < D; ++d) o[i][d] = 0.0f;
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    const int64_t nkeys = ctx + r0 + nr; /* keys the item's last row sees */
+    const int64_t first = window > 0 && ctx + r0 >= window ? (ctx + r0 - window + 1) / KC * KC : 0;
+    for (int64_t j0 = first; j0 < nkeys; j0 += KC) {
+        /* each register tile's visible keys in this step: [lo, hi) over its rows */
+        int64_t lo[MAXR / TR], hi[MAXR / TR];
+        for (int i0 = 0; i0 < tiles; i0 += TR) {
+            int64_t a = KC, b = 0;
+            for (int i = i0; i < i0 + TR; ++i) {
+                if (pos[i] < 0) continue;
+                const int64_t last = pos[i] - j0, start = window > 0 ? pos[i] - window + 1 - j0 : 0;
+                if (last < 0 || start >= KC) continue;
+                a = start < a ? (start > 0 ? start : 0) : a;
+                b = last + 1 > b ? (last + 1 < KC ? last + 1 : KC) : b;
+            }
+            lo[i0 / TR] = a;
+            hi[i0 / TR] = b;
+            for (int t0 = 0; t0 < KC; t0 += KT)
+                if (t0 < b && t0 + KT > a)
+                    score_tile((const float(*)[MAX_D])qb, i0, kt + (j0 + t0) * D, D, scale, p, t0);
+        }
+        if (softcap > 0.0f) {
+            const float inv = 1.0f / softcap;
+            for (int i = 0; i < tiles; ++i)
+                for (int j = 0; j < KC; ++j) p[i][j] = softcap * tanhf(p[i][j] * inv);
+        }
+        for (int i = 0; i < tiles; ++i) {
+            /* the row's visible keys in this step, [start, last] */
+            const int64_t last = pos[i] >= 0 ? pos[i] - j0 : -1;
+            const int64_t start = window > 0 ? pos[i] - window + 1 - j0 : 0;
+            if (last < 0 || start >= KC) {
+                for (int j = 0; j < KC; ++j) p[i][j] = 0.0f;
+                continue;
+            }
+            /* keys outside [start, last] become -inf */
+            const i8v from = (i8v){0} + (int32_t)(start > 0 ? start : 0);
+            const i8v to = (i8v){0} + (int32_t)(last < KC ? last : KC);
+            const v8 ninf = (v8){0} - INFINITY;
+            v8 sv[KC / 8], mx = ninf;
+            for (int c = 0; c < KC / 8; ++c) {
+                const i8v j = (i8v){0, 1, 2, 3, 4, 5, 6, 7} + 8 * c, out = (j < from) | (j > to);
+                sv[c] = (v8)(((i8v)*(const v8 *)(p[i] + 8 * c) & ~out) | ((i8v)ninf & out));
+                mx = vmax8(sv[c], mx); /* a NaN score never becomes the max; its exp spreads NaN */
+            }
+            const float cm = hmax8(mx);
+            const float mn = cm > m[i] ? cm : m[i];
+            const float alpha = m[i] == -INFINITY ? 0.0f : exp8((v8){0} + (m[i] - mn))[0];
+            v8 e = (v8){0};
+            for (int c = 0; c < KC / 8; ++c) {
+                const v8 ec = exp8(sv[c] - mn);
+                *(v8 *)(p[i] + 8 * c) = ec;
+                e += ec;
+            }
+            l[i] = l[i] * alpha + hsum8(e);
+            m[i] = mn;
+            if (alpha != 1.0f)
+                for (int64_t d = 0; d < D; ++d) o[i][d] *= alpha;
+        }
+        for (int i0 = 0; i0 < tiles; i0 += TR)
+            if (lo[i0 / TR] < hi[i0 / TR])
+                pv_tile(o, (const float(*)[KC])p, i0, v + j0 * v_stride, v_stride, lo[i0 / TR],
+                        hi[i0 / TR], D);
+    }
+    for (int i = 0; i < rows; ++i) {
+        float *dst = out + (r0 + i / ng) * o_stride + (i % ng) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = o[i][d] / l[i];
+    }
+}
+
+/* Returns 0, or -1 for a shape it does not take (D not 64 or 128, H not a multiple of Hkv). */
+int cbgen_prefill_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+                                float *out, int64_t o_stride, int64_t Q, int64_t ctx, int64_t H,
+                                int64_t Hkv, int64_t D, float scale, int64_t window,
+                                float softcap) {
+    if ((D != 64 && D != 128) || Hkv <= 0 || H % Hkv || Q <= 0 || ctx < 0 || window < 0) return -1;
+    const int64_t L = ctx + Q, lp = (L + KC - 1) / KC * KC, group = H / Hkv;
+    float *kt = transpose_k(k, L, lp, Hkv, D);
+    if (!kt) return -1;
+    /* an item takes a group's heads (in parts of at most MAXR) over as many rows as fill MAXR */
+    const int64_t ng = group < MAXR ? group : MAXR, parts = (group + ng - 1) / ng;
+    const int64_t rb = MAXR / ng, blocks = (Q + rb - 1) / rb, per_block = Hkv * parts;
+    const int64_t items = blocks * per_block;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+        const int64_t b = blocks - 1 - it / per_block; /* last rows first */
+        const int64_t hk = it % per_block / parts, part = it % parts;
+        const int64_t h0 = hk * group + part * ng, left = group - part * ng, n = left < ng ? left : ng;
+        const int64_t r0 = b * rb, nr = Q - r0 < rb ? Q - r0 : rb;
+        item(q + h0 * D, q_stride, kt + hk * D * lp, v + hk * D, Hkv * D, out + h0 * D, o_stride, D,
+             n, r0, nr, ctx, scale, window, softcap);
+    }
+    free(kt);
+    return 0;
+}
+#else
 #define RB 8  /* query rows per work item */
 #define KC 64 /* keys per softmax step: two 32-key score tiles */
 #define KT 32 /* keys per score tile: two 16-float vectors */
-#define MAX_D 128
 
 /* P x V for one chunk: rows [r, r + RG) of o (D = 16 DV floats) += p[row][0..nj) x V rows. */
 #define PV(DV, RG)                                                                            \
@@ -183,17 +421,13 @@ int cbgen_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
     return 0;
 }
 
+#endif
+
 /* How the cpu attention backend splits prompt chunks with this build (measured in
  * docs/PERFORMANCE.md): a chunk whose query tokens read at most cbgen_native_prefill_rows() K/V rows
- * in all goes to the decode kernel, one token at a time (a call of this kernel costs about as much
- * as 8k such rows with AVX-512); a larger one to this kernel where cbgen_prefill_kernel_preferred(),
- * else to torch's SDPA. Without AVX-512 the 8-row x 32-key score tile and the P x V tiles need twice
- * the 16 vector registers of AVX2 and spill: on an AVX2-only EPYC this kernel measured 5-25x slower than the
- * decode kernel and up to 17x slower than SDPA, which the decode kernel crosses near 24k rows. */
-#if defined(__AVX2__) && !defined(__AVX512F__)
-int64_t cbgen_native_prefill_rows(void) { return 24576; }
-int cbgen_prefill_kernel_preferred(void) { return 0; }
-#else
+ * in all goes to the decode kernel, one token at a time (a call of this kernel, with the gather of
+ * the chunk's K/V before it, costs about as much as 8k such rows); a larger one to this kernel
+ * where cbgen_prefill_kernel_preferred(), else to torch's SDPA. Both the AVX-512 and the AVX2
+ * tiles beat SDPA on every chunk past that (SmolLM2's attention shape, one thread). */
 int64_t cbgen_native_prefill_rows(void) { return 8192; }
 int cbgen_prefill_kernel_preferred(void) { return 1; }
-#endif
