@@ -195,10 +195,12 @@ class ModelRunner:
                 self._drop_row(s.request_id)
                 state = _RowState(self.free_rows.pop(), list(s.new_token_ids), 0)
                 self.rows[s.request_id] = state
-                params = self.infos[s.request_id].params
-                for name, _ in SAMPLING_FIELDS:
-                    self.row_sampling[name][state.row] = getattr(params, name)
-                self.row_random[state.row] = not params.greedy
+                # the static policy's padding members have no info: they never sample
+                info = self.infos.get(s.request_id)
+                if info is not None:
+                    for name, _ in SAMPLING_FIELDS:
+                        self.row_sampling[name][state.row] = getattr(info.params, name)
+                self.row_random[state.row] = info is not None and not info.params.greedy
             else:
                 state = self.rows[s.request_id]
             n = len(s.new_block_ids)
