@@ -1,8 +1,8 @@
 """One prompt chunk's attention three ways, on one thread: the C decode kernel (one query token
 at a time, straight from a paged cache), the C prefill kernel and torch's SDPA (both with the
 gather of the chunk's K/V from the cache, as the cpu backend calls them; the cache's blocks in
-random order). Per shape the three calls alternate,
-so a neighbour's burst falls on all of them; each figure is the median of --reps calls, in ms.
+random order). Per shape the three calls alternate, so a neighbour's burst falls on all of
+them; each time is the median of --reps calls, in ms, each ratio the median of the reps' ratios.
 
     python -m tools.prefill_attention_bench [--reps 15] [--heads 9 --kv-heads 3 --head-dim 64]
 
@@ -51,8 +51,8 @@ def _ms(fn: Callable[[], object]) -> float:
 
 def bench_chunk(
     qlen: int, ctx: int, heads: int, kv_heads: int, d: int, reps: int
-) -> tuple[float, float, float]:
-    """Medians (ms) of the decode kernel, the prefill kernel and SDPA on one chunk."""
+) -> tuple[list[float], list[float], list[float]]:
+    """Per rep, the ms of the decode kernel, the prefill kernel and SDPA on one chunk."""
     seq_len, scale = ctx + qlen, d**-0.5
     query = torch.randn(qlen, heads, d)
     blocks = -(-seq_len // BLOCK)
@@ -61,22 +61,23 @@ def bench_chunk(
     chunk = (0, qlen, seq_len, order)
     table = order.to(torch.int32).repeat(qlen, 1)
     lens = torch.arange(ctx + 1, seq_len + 1, dtype=torch.int32)
-    calls: dict[str, Callable[[], object]] = {
-        "decode": lambda: kernels.paged_decode_f32(query, cache, table, lens, scale),
-        "prefill": lambda: kernels.prefill_attention_f32(
+    calls: list[Callable[[], object]] = [
+        lambda: kernels.paged_decode_f32(query, cache, table, lens, scale),
+        lambda: kernels.prefill_attention_f32(
             query, *torch_backend.gather_context(cache, chunk), scale
         ),
-        "sdpa": lambda: torch_backend.attend_chunk(
+        lambda: torch_backend.attend_chunk(
             query, *torch_backend.gather_context(cache, chunk), scale
         ),
-    }
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for fn in calls.values():  # warm-up
+    ]
+    for fn in calls:  # warm-up
         fn()
+    decode, prefill, sdpa = [], [], []
     for _ in range(reps):
-        for name, fn in calls.items():
-            times[name].append(_ms(fn))
-    return tuple(statistics.median(times[name]) for name in calls)  # type: ignore[return-value]
+        decode.append(_ms(calls[0]))
+        prefill.append(_ms(calls[1]))
+        sdpa.append(_ms(calls[2]))
+    return decode, prefill, sdpa
 
 
 def main() -> None:
@@ -98,12 +99,14 @@ def main() -> None:
         decode, prefill, sdpa = bench_chunk(
             qlen, ctx, args.heads, args.kv_heads, args.head_dim, args.reps
         )
+        # ratios of the calls made one after the other, then their median: a burst of other
+        # load falls on one rep's three calls rather than on one kernel's column
+        by_decode = statistics.median(p / x for p, x in zip(prefill, decode, strict=True))
+        by_sdpa = statistics.median(p / x for p, x in zip(prefill, sdpa, strict=True))
         rows = int(qlen * (ctx + (qlen + 1) / 2))
         where = f"{qlen} after {ctx}" if ctx else f"{qlen}, no context"
-        print(
-            f"| {where} | {rows:,} | {decode:.3g} | {prefill:.3g} | {sdpa:.3g} "
-            f"| {prefill / decode:.2f} | {prefill / sdpa:.2f} |"
-        )
+        ms = " | ".join(f"{statistics.median(t):.3g}" for t in (decode, prefill, sdpa))
+        print(f"| {where} | {rows:,} | {ms} | {by_decode:.2f} | {by_sdpa:.2f} |")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ A sliding window and logit soft-capping go into both kernels: each reads keys fr
 window's first block on (a decode costs O(window), whatever the sequence's length), and a
 chunk's K/V are gathered from its first query's window on.
 
-Small and large are told apart by the K/V rows a chunk's query tokens read in all (query_len x
-mean keys per query) against a threshold measured per ISA: kernels.prefill_split.
+Small and large are told apart by the K/V rows a chunk's query tokens read in all (under a
+sliding window, only the window's keys count) against a threshold measured per ISA:
+kernels.prefill_split. Layers with a window take their own split, built by the first of them.
 
 Whatever a kernel refuses (another dtype, a shape it does not hold, no C compiler to build the
 kernels with) takes the torch reference's path instead, so this backend answers wherever the
@@ -23,7 +24,7 @@ torch one does, and the tests compare the two.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,6 +55,23 @@ class CpuPlan:
     reference: AttentionPlan
     """The torch reference's plan: what the kernels refuse goes this way."""
     native: NativePlan
+    """The kernels' share without a sliding window."""
+    block_table: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    windowed: dict[int, NativePlan] = field(default_factory=dict)
+    """The kernels' share per sliding window, built by the first layer with that window."""
+
+    def native_for(self, window: int | None) -> NativePlan:
+        """The kernels' share under a sliding window (None: the plain one)."""
+        if window is None:
+            return self.native
+        nat = self.windowed.get(window)
+        if nat is None:
+            nat = self.windowed[window] = _native_plan(
+                self.reference, self.block_table, self.query_start_loc, self.seq_lens, window
+            )
+        return nat
 
 
 def plan_attention(
@@ -69,8 +87,31 @@ def plan_attention(
     )
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    native = _native_plan(reference, block_table, qsl, lens, None)
+    return CpuPlan(reference, native, block_table, qsl, lens)
+
+
+def rows_read(query_len: int, seq_len: int, window: int | None) -> int:
+    """The K/V rows a chunk's query_len tokens, the last at key seq_len - 1, read in all: query j
+    sees seq_len - query_len + j + 1 keys, at most `window` of them."""
+    first = seq_len - query_len + 1  # the keys of the chunk's first query
+    capped = 0 if window is None else min(query_len, max(0, seq_len - max(first, window) + 1))
+    full = query_len - capped  # queries that see all their keys: first .. first + full - 1
+    return capped * (window or 0) + full * (2 * first + full - 1) // 2
+
+
+def _native_plan(
+    reference: AttentionPlan,
+    block_table: torch.Tensor,
+    qsl: list[int],
+    lens: list[int],
+    window: int | None,
+) -> NativePlan:
+    """Every decode, and the tokens of the prefill chunks that read at most
+    kernels.prefill_split()[0] K/V rows under the window."""
     left = {p[0]: p for p in reference.prefills}
     most_rows = kernels.prefill_split()[0]
+    block_size = reference.block_size
     tokens, rows, keys = [], [], []
     max_len = 0
     for i, seq_len in enumerate(lens):
@@ -79,7 +120,7 @@ def plan_attention(
         if qlen == 0:
             continue
         if qlen > 1:
-            if qlen * (seq_len - qlen / 2) > most_rows:
+            if rows_read(qlen, seq_len, window) > most_rows:
                 continue
             del left[start]
         tokens.append(np.arange(start, end))
@@ -88,22 +129,20 @@ def plan_attention(
         max_len = max(max_len, seq_len)
     device = block_table.device
     if not tokens:
-        nat = NativePlan(
+        return NativePlan(
             torch.empty(0, dtype=torch.long, device=device),
             torch.empty(0, 0, dtype=torch.int32, device=device),
             torch.empty(0, dtype=torch.int32, device=device),
             list(left.values()),
         )
-        return CpuPlan(reference, nat)
     row_idx = torch.from_numpy(np.concatenate(rows)).to(device)
     nb = -(-max_len // block_size)
-    nat = NativePlan(
+    return NativePlan(
         torch.from_numpy(np.concatenate(tokens)).to(device),
         block_table[row_idx, :nb].to(torch.int32),
         torch.from_numpy(np.concatenate(keys).astype(np.int32)).to(device),
         list(left.values()),
     )
-    return CpuPlan(reference, nat)
 
 
 def attend(
@@ -119,7 +158,7 @@ def attend(
     window, cap = sliding_window, logit_softcap
     if not query.dtype == kv_cache.dtype == torch.float32:
         return torch_backend.attend(query, kv_cache, plan.reference, scale, window, cap)
-    nat = plan.native
+    nat = plan.native_for(window)
     out: torch.Tensor | None = None
     prefills = nat.prefills
     if nat.tokens.numel():
