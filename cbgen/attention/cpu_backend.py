@@ -7,7 +7,7 @@ cbgen.cpu.kernels doing the work in float32 (the auto choice on the CPU).
     small prefill       at a time (query token j of a chunk is a one-token query over
     chunks              seq_len - query_len + j + 1 keys): no gather of K/V
     larger chunks       the C prefill kernel over the chunk's gathered K/V, or torch's SDPA
-                        where that kernel is the slower (AVX2 builds)
+                        where a build says that kernel is the slower (none does today)
 
 A sliding window and logit soft-capping go into both kernels: each reads keys from the
 window's first block on (a decode costs O(window), whatever the sequence's length), and a
