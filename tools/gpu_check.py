@@ -88,8 +88,8 @@ SECTIONS: list[tuple[str, Callable[[CheckContext], bool], float]] = [
     ("bf16_top1", gpu_sections.bf16_top1, 20),
     ("sampling", gpu_sections.sampling, 30),
     ("memory", gpu_sections.memory, 30),
-    ("graphs", gpu_sections.graphs, 30),
-    ("throughput", gpu_sections.throughput, 75),
+    ("graphs", gpu_sections.graphs, 25),
+    ("throughput", gpu_sections.throughput, 70),
     ("roofline_8b", gpu_sections.roofline_8b, 30),
 ]
 TARGETS = {
