@@ -224,13 +224,15 @@ def make_tiny_hf_model(kind: str, folder: Path, seed: int = 0, **changes: Any) -
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    return save_random(model, folder, seed)
+    return save_random(model, folder)
 
 
-def save_random(model: Any, folder: Path, seed: int = 0) -> Path:
+def save_random(model: Any, folder: Path, seed: int | None = None) -> Path:
     """A transformers model's weights drawn anew (norms near 1, std 0.5 for the embedding and
-    head, 0.2 elsewhere) and saved as config.json + model.safetensors."""
-    torch.manual_seed(seed)
+    head, 0.2 elsewhere; from torch's generator as it stands, or seeded with `seed`) and saved
+    as config.json + model.safetensors."""
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

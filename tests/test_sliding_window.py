@@ -249,7 +249,7 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     cfg = MistralConfig(num_hidden_layers=2, sliding_window=WINDOW, **SHAPE)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    return save_random(model, tmp_path_factory.mktemp("mistral"))
+    return save_random(model, tmp_path_factory.mktemp("mistral"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
         **SHAPE,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    return save_random(model, tmp_path_factory.mktemp("qwen2"))
+    return save_random(model, tmp_path_factory.mktemp("qwen2"), seed=0)
 
 
 PROMPTS = [
