@@ -128,7 +128,14 @@ def kernels(ctx: CheckContext) -> bool:
     if ctx.quick:
         return passed
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tests = ["tests/test_kernels.py", "tests/test_backends.py", "tests/test_gpu_path.py"]
+    tests = [
+        "tests/test_kernels.py",
+        "tests/test_backends.py",
+        "tests/test_gpu_path.py",
+        "tests/test_moe.py::test_triton_grouped_moe_matches_the_reference",
+        "tests/test_moe.py::test_triton_grouped_moe_refuses_mismatched_weights",
+        "tests/test_moe.py::test_triton_ops_greedy_tokens_match_torch_ops",
+    ]
     cmd = [
         sys.executable,
         "-m",
