@@ -105,6 +105,7 @@ def _reference(
         (50, 100, 9, 3, 128, None, None),  # D = 128 after cached context
         (70, 30, 4, 4, 64, 20, None),  # no GQA (a work item of one head), a window
         (45, 90, 9, 3, 64, 33, 5.0),  # window, cap and context together
+        (20, 44, 8, 4, 64, None, 50.0),  # Gemma 2's cap: most scores / cap near 0
         (40, 60, 6, 2, 128, 1, None),  # a window of one key: each row sees itself
         (33, 40, 8, 1, 64, 500, 2.0),  # a window wider than the sequence, GQA 8:1
         (9, 5, 26, 1, 64, None, None),  # a group wider than a work item: split
