@@ -275,7 +275,7 @@ def test_plain_rows_keep_extra_fields_as_metadata_but_not_feature_requests() -> 
     assert _parse({"prompt": "x", "best_of": 2}) == (
         "line 1: best_of: cbgen does not implement this request field yet"
     )
-    assert _parse({"prompt": "x", "guided_json": {"type": "object"}}) is not None
+    assert _parse({"prompt": "x", "tools": [{"type": "function"}]}) is not None
     # a column the user named is theirs, whatever it is called
     assert _parse({"prompt": "x", "tools": "hammer"}, ColumnSpec(keep_columns=("tools",))) is None
 

@@ -217,7 +217,23 @@ def test_rows_give_structured_outputs_or_openai_response_format() -> None:
         'line 1: response_format: expected type text, json_object or json_schema, got {"type": "yaml"}'
     )
     both = _row({"prompt": "x", "response_format": schema, "structured_outputs": {"regex": "a"}})
-    assert both.error == "line 1: response_format: give it or structured_outputs, not both"
+    assert both.error == (
+        "line 1: structured_outputs and response_format: give one way to constrain the output, not 2"
+    )
+    # vLLM's older names, each one kind
+    for field, kind, value in (
+        ("guided_json", "json", SCHEMA),
+        ("guided_regex", "regex", "a+"),
+        ("guided_choice", "choice", ["yes", "no"]),
+        ("guided_grammar", "grammar", 'root ::= "a"'),
+    ):
+        row = _row({"prompt": "x", field: value})
+        assert row.error is None and row.overrides == {"structured_outputs": {kind: value}}
+    guided_too = _row({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]})
+    assert guided_too.error == (
+        "line 1: guided_regex and guided_choice: give one way to constrain the output, not 2"
+    )
+    assert _row({"prompt": "x", "guided_regex": None}).overrides == {}
     no_schema = _row({"prompt": "x", "response_format": {"type": "json_schema"}})
     assert no_schema.error is not None and "response_format.json_schema.schema" in no_schema.error
 

@@ -34,6 +34,13 @@ LOGPROB_FIELDS = frozenset({"top_logprobs"})
 # OpenAI's response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
 # {"schema": ...}}): SamplingParams.structured_outputs by another name.
 STRUCTURED_FIELDS = frozenset({"response_format"})
+# vLLM's older per-request names for the same: each one kind of structured_outputs.
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 # OpenAI body fields that change nothing in an offline batch: accepted and ignored.
 OPENAI_NO_EFFECT = frozenset(
     {
@@ -54,10 +61,6 @@ OPENAI_NO_EFFECT = frozenset(
 # answer the user did not ask for. A field set to null or to its no-op value is not asking.
 UNSUPPORTED_FEATURES = frozenset(
     {
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
         "guided_decoding",
         "tools",
         "tool_choice",
@@ -397,6 +400,7 @@ def _check_fields(source: Mapping[str, Any], openai: bool, spec: ColumnSpec) -> 
             name in SAMPLING_FIELDS
             or name in LOGPROB_FIELDS
             or name in STRUCTURED_FIELDS
+            or name in GUIDED_FIELDS
             or name in OPENAI_ALIASES
             or name in CHAT_FIELDS
             or name in OPENAI_NO_EFFECT
@@ -416,11 +420,21 @@ def _overrides(source: Mapping[str, Any], openai: bool) -> dict[str, Any]:
                 out[name] = source[alias]
     out.pop("logprobs", None)
     out.update(_logprobs(source.get("logprobs"), source.get("top_logprobs")))
+    given = {name: kind for name, kind in GUIDED_FIELDS.items() if source.get(name) is not None}
     wanted = _response_format(source.get("response_format"))
     if wanted is not None:
-        if "structured_outputs" in out:
-            raise RowError("response_format: give it or structured_outputs, not both")
+        given["response_format"] = "response_format"
+    if "structured_outputs" in out:
+        given = {"structured_outputs": "", **given}
+    if len(given) > 1:
+        raise RowError(
+            f"{' and '.join(given)}: give one way to constrain the output, not {len(given)}"
+        )
+    if wanted is not None:
         out["structured_outputs"] = wanted
+    for name, kind in GUIDED_FIELDS.items():
+        if name in given:
+            out["structured_outputs"] = {kind: source[name]}
     return out
 
 
