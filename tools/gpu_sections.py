@@ -132,6 +132,7 @@ def kernels(ctx: CheckContext) -> bool:
         "tests/test_kernels.py",
         "tests/test_backends.py",
         "tests/test_gpu_path.py",
+        "tests/test_device_draws.py",
         "tests/test_moe.py::test_triton_grouped_moe_matches_the_reference",
         "tests/test_moe.py::test_triton_grouped_moe_refuses_mismatched_weights",
         "tests/test_moe.py::test_triton_ops_greedy_tokens_match_torch_ops",

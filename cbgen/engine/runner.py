@@ -31,7 +31,13 @@ from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.config import SamplingParams
 from cbgen.engine.cuda_graphs import DecodeGraphs, bucket_for
 from cbgen.engine.logprobs import PositionLogprobs
-from cbgen.engine.sampler import Sampler, SamplingRow, SamplingTensors, position_logprobs
+from cbgen.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    SamplingTensors,
+    position_logprobs,
+    seed_int64,
+)
 from cbgen.engine.scheduler import SchedulerOutput
 from cbgen.engine.step_inputs import StepBuffers, fill_padding
 from cbgen.engine.structured import GrammarState
@@ -121,8 +127,11 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         max_num_batched_tokens: int | None = None,
+        device_draws: bool | None = None,
     ) -> None:
-        """max_num_batched_tokens: the most tokens a step holds (None: max_model_len)."""
+        """max_num_batched_tokens: the most tokens a step holds (None: max_model_len).
+        device_draws: sampled rows draw their uniform numbers on the device from (seed, draw
+        count) rather than from host generators (None: on CUDA; see Sampler)."""
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -140,6 +149,10 @@ class ModelRunner:
         """Per row, like block_table: the sampling parameters of the request holding it."""
         self.row_random = np.zeros(max_num_seqs, dtype=bool)
         """Per row: whether its request samples at random (not greedy)."""
+        self.device_draws = device.type == "cuda" if device_draws is None else device_draws
+        self.row_seed = np.zeros(max_num_seqs, dtype=np.int64)
+        self.row_draws = np.zeros(max_num_seqs, dtype=np.int64)
+        """Per row, device draws: its request's seed and draw count."""
         self.max_model_len = max_model_len
         self.buffers = StepBuffers(
             max_num_seqs,
@@ -157,15 +170,20 @@ class ModelRunner:
         self.rows: dict[str, _RowState] = {}
         self.infos: dict[str, NewRequestInfo] = {}
         self.generators: dict[str, torch.Generator] = {}
+        self.draws: dict[str, int] = {}
+        """Device draws: numbers each sampled request has drawn so far. Kept through
+        preemption, so a recompute continues its stream as a host generator would."""
         self.prompt_scored: dict[str, int] = {}
         """Requests with prompt_logprobs: prompt tokens scored so far (the first counts: it
         has no logprob). Kept through preemption, so a recompute scores nothing twice."""
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.device_draws)
 
     # ---- request bookkeeping -----------------------------------------------------------
     def add_request(self, request_id: str, info: NewRequestInfo) -> None:
         self.infos[request_id] = info
-        if not info.params.greedy:
+        if not info.params.greedy and self.device_draws:
+            self.draws[request_id] = 0
+        elif not info.params.greedy:
             # On the host whatever the device: the draws (the sampler's uniform number, the bf16
             # head's seed) are made there, one per row, so a seeded request draws the same
             # numbers alone or in any batch. A CUDA generator would refuse a host draw.
@@ -182,6 +200,7 @@ class ModelRunner:
         self._drop_row(request_id)
         self.infos.pop(request_id, None)
         self.generators.pop(request_id, None)
+        self.draws.pop(request_id, None)
         self.prompt_scored.pop(request_id, None)
 
     # ---- one step -------------------------------------------------------------------------
@@ -201,6 +220,8 @@ class ModelRunner:
                     for name, _ in SAMPLING_FIELDS:
                         self.row_sampling[name][state.row] = getattr(info.params, name)
                 self.row_random[state.row] = info is not None and not info.params.greedy
+                self.row_seed[state.row] = 0 if info is None else seed_int64(info.seed)
+                self.row_draws[state.row] = self.draws.get(s.request_id, 0)
             else:
                 state = self.rows[s.request_id]
             n = len(s.new_block_ids)
@@ -288,7 +309,11 @@ class ModelRunner:
         host = self.buffers.host
         for name, _ in SAMPLING_FIELDS:
             self.row_sampling[name].take(rows, out=host[name][:n])
-        return SamplingTensors(*self.buffers.sampling_views(n))
+        if not self.device_draws:
+            return SamplingTensors(*self.buffers.sampling_views(n))
+        self.row_seed.take(rows, out=host["seed"][:n])
+        self.row_draws.take(rows, out=host["draws"][:n])
+        return SamplingTensors(*self.buffers.sampling_views(n), *self.buffers.draw_views(n))
 
     def pad_decodes(self, sizes: tuple[int, ...]) -> None:
         """Pad every decode-only step to the smallest of sizes that holds it (eagerly unless
@@ -362,13 +387,19 @@ class ModelRunner:
                     stop_ids_for_min_tokens=info.stop_ids_for_min_tokens,
                     bad_words_token_ids=info.bad_words_token_ids,
                     grammar=info.grammar,
+                    seed=info.seed,
+                    draws=self.draws.get(s.request_id, 0),
                 )
             )
         sampled, logprobs = self._sample(hidden[logits_indices], rows)
         result = {}
         grammar_done = []
         for s, row, token in zip(sampling, rows, sampled, strict=True):
-            self.rows[s.request_id].token_ids.append(token)
+            state = self.rows[s.request_id]
+            state.token_ids.append(token)
+            if s.request_id in self.draws:  # a device draw was made: the next one is new
+                self.draws[s.request_id] += 1
+                self.row_draws[state.row] += 1
             result[s.request_id] = token
             if row.grammar is not None:
                 row.grammar.accept(token)
@@ -388,7 +419,8 @@ class ModelRunner:
         answers exactly (plain greedy, plain temperature sampling, no logprobs, no logit_bias /
         allowed_token_ids / bad_words: the head makes no float32 logits) go through it; the
         others, and any row it hands back, through the float32 logits and the sampler. The path depends on the row alone, so a seeded request
-        draws the same tokens whatever shares its batch."""
+        draws the same tokens whatever shares its batch. With device draws only plain greedy
+        rows take the head (its sampled rows would draw on the host)."""
         head = self.model.bf16_head
         tokens = [-1] * len(rows)
         logprobs: list[PositionLogprobs | None] = [None] * len(rows)
@@ -398,7 +430,10 @@ class ModelRunner:
                 i
                 for i, r in enumerate(rows)
                 if r.params.logprobs is None
-                and (r.plain_argmax or r.plain_draw(vocab, head.MIN_TEMPERATURE))
+                and (
+                    r.plain_argmax
+                    or (not self.device_draws and r.plain_draw(vocab, head.MIN_TEMPERATURE))
+                )
             ]
             if fast:
                 params = [rows[i].params for i in fast]

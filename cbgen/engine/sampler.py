@@ -38,6 +38,10 @@ class SamplingRow:
     """The token sequences of params.bad_words (see apply_logit_controls)."""
     grammar: GrammarState | None = None
     """The row's structured-outputs state (params.structured_outputs), if any."""
+    seed: int = 0
+    draws: int = 0
+    """Device draws (Sampler(device_draws=True)): the request's seed (modulo 2^64) and how
+    many numbers it has drawn before this one."""
 
     @property
     def constrained(self) -> bool:
@@ -193,6 +197,12 @@ def _filters(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
 
 
+def seed_int64(seed: int) -> int:
+    """A request seed as the int64 whose bits are the seed modulo 2^64 (a device draw's key)."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 @dataclass(frozen=True)
 class SamplingTensors:
     """The rows' sampling parameters already on the logits' device (the runner stages them
@@ -202,11 +212,14 @@ class SamplingTensors:
     top_k: torch.Tensor  # [B] int64, 0 = all
     top_p: torch.Tensor  # [B] float32
     min_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor | None = None  # [B] int64, device draws only (SamplingRow.seed)
+    draws: torch.Tensor | None = None  # [B] int64, device draws only (SamplingRow.draws)
 
     def select(self, index: torch.Tensor) -> SamplingTensors:
         """The rows index (a tensor on the same device)."""
         return SamplingTensors(
-            *(t[index] for t in (self.temperature, self.top_k, self.top_p, self.min_p))
+            *(t[index] for t in (self.temperature, self.top_k, self.top_p, self.min_p)),
+            *(None if t is None else t[index] for t in (self.seed, self.draws)),
         )
 
 
@@ -271,6 +284,13 @@ def position_logprobs(
 
 
 class Sampler:
+    def __init__(self, device_draws: bool = False) -> None:
+        """device_draws: each random row's uniform number comes from a counter-based generator
+        on the logits' device (cbgen_kernels.uniform_draws of the row's seed and draw count)
+        instead of its host generator: no per-step host draws or copies, and still the same
+        numbers alone or in any batch. The CUDA path; needs triton (or its interpreter)."""
+        self.device_draws = device_draws
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -322,9 +342,13 @@ class Sampler:
                 if staged is None
                 else staged.temperature
             )
-            u = torch.cat(
-                [torch.rand(1, generator=rows[i].generator, device="cpu") for i in random_rows]
-            ).to(dev)
+            u = (
+                self._device_uniforms(rows, random_rows, staged, dev)
+                if self.device_draws
+                else torch.cat(
+                    [torch.rand(1, generator=rows[i].generator, device="cpu") for i in random_rows]
+                ).to(dev)
+            )
             # a row without masks takes the C kernel on the CPU (the same rule, one pass per
             # row); the choice depends on the row alone, so a seeded row draws the same tokens
             # whatever shares its batch
@@ -349,3 +373,21 @@ class Sampler:
                 )
             out[idx] = picked
         return out.tolist()
+
+    @staticmethod
+    def _device_uniforms(
+        rows: Sequence[SamplingRow],
+        random_rows: list[int],
+        staged: SamplingTensors | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """The random rows' uniform numbers from their (seed, draw count), staged already or
+        made from the rows."""
+        import cbgen_kernels
+
+        if staged is not None and staged.seed is not None and staged.draws is not None:
+            seeds, draws = staged.seed, staged.draws
+        else:
+            seeds = torch.tensor([seed_int64(rows[i].seed) for i in random_rows], device=device)
+            draws = torch.tensor([rows[i].draws for i in random_rows], device=device)
+        return cbgen_kernels.uniform_draws(seeds, draws)

@@ -14,6 +14,7 @@ first rows of each view:
     temperature       float32 max_num_seqs                       [:rows that sample], when
     top_k             int64   max_num_seqs                        any of them samples at
     top_p, min_p      float32 max_num_seqs                        random (sampler.SamplingTensors)
+    seed, draws       int64   max_num_seqs                       the same rows, device draws only
     query_start_loc   int32   max_num_seqs + 1                   [:B + 1]
     seq_lens          int32   max_num_seqs                       [:B]
     block_table       int32   max_num_seqs x max_blocks_per_seq  [:B], every column
@@ -90,6 +91,8 @@ class StepBuffers:
             ("top_k", torch.int64, (max_num_seqs,)),
             ("top_p", torch.float32, (max_num_seqs,)),
             ("min_p", torch.float32, (max_num_seqs,)),
+            ("seed", torch.int64, (max_num_seqs,)),
+            ("draws", torch.int64, (max_num_seqs,)),
             ("query_start_loc", torch.int32, (max_num_seqs + 1,)),
             ("seq_lens", torch.int32, (max_num_seqs,)),
             ("block_table", torch.int32, (max_num_seqs, max_blocks_per_seq)),
@@ -168,6 +171,11 @@ class StepBuffers:
         """The first n rows of temperature, top_k, top_p and min_p on the device."""
         return self._rows("params", n)
 
+    def draw_views(self, n: int) -> tuple[torch.Tensor, ...]:
+        """The first n rows of seed and draws on the device (sampler.SamplingTensors' last
+        fields, for device draws)."""
+        return self._rows("draws", n)
+
     def _rows(self, kind: str, n: int) -> tuple[torch.Tensor, ...]:
         """The first n rows of the device views of one kind, made once per n (slicing a tensor
         costs about a microsecond, and a run meets few distinct sizes)."""
@@ -178,6 +186,8 @@ class StepBuffers:
                 views = (dev["input_ids"][:n], dev["positions"][:n], dev["slot_mapping"][:n])
             elif kind == "params":  # sampler.SamplingTensors' fields, in order
                 views = tuple(dev[name][:n] for name in ("temperature", "top_k", "top_p", "min_p"))
+            elif kind == "draws":
+                views = (dev["seed"][:n], dev["draws"][:n])
             elif kind == "seqs":
                 views = (
                     dev["query_start_loc"][: n + 1],

@@ -8,6 +8,7 @@ with the PyPI package `kernels`, which transformers probes for).
     rope_                     rotate_half RoPE in place on (strided) q/k rows, tables gathered
     silu_mul                  SiLU(gate) * up over [gate | up]
     grouped_moe               expert MLPs over tokens sorted by expert (mixture of experts)
+    uniform_draws             per-row uniform numbers from (seed, draw counter): Philox on the device
 
 The attention kernels have the signatures of their torch references in
 cbgen.attention.torch_backend; the element-wise ones compute what cbgen.models.ops.TorchOps
@@ -29,6 +30,7 @@ from cbgen_kernels.elementwise import rope_, silu_mul
 from cbgen_kernels.moe import grouped_moe
 from cbgen_kernels.norm import add_rmsnorm_
 from cbgen_kernels.rounding import INTERPRETED
+from cbgen_kernels.sampling import uniform_draws
 
 
 def interpreted() -> bool:
@@ -50,5 +52,6 @@ __all__ = [
     "paged_attention_split_kv",
     "rope_",
     "silu_mul",
+    "uniform_draws",
     "write_kv_cache",
 ]
