@@ -50,7 +50,9 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
     from cbgen_kernels.attention import _merge_splits_kernel, _paged_attention_kernel, choose_config
     from cbgen_kernels.cache import _write_kv_kernel
     from cbgen_kernels.elementwise import _rope_kernel, _silu_mul_kernel
+    from cbgen_kernels.moe import _grouped_matmul_kernel
     from cbgen_kernels.norm import _add_rmsnorm_kernel
+    from cbgen_kernels.sampling import _uniform_kernel
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
     write_ptrs = {
@@ -118,7 +120,7 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
             f"rope[{dtype}]",
             _rope_kernel,
             rope_ptrs,
-            dict(NUM_HEADS=40, HALF=64, HEADS_PAD=64, HALF_PAD=64, SOFT_BF16=False),
+            dict(NUM_HEADS=40, HEAD_DIM=128, HALF=64, HEADS_PAD=64, HALF_PAD=64, SOFT_BF16=False),
         )
     )
     out.append(
@@ -127,6 +129,41 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
             _silu_mul_kernel,
             {"gate_up_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
             dict(INTER=14336, BLOCK=1024, SOFT_BF16=False),
+        )
+    )
+    # a mixture of experts' two grouped launches (Qwen3-30B-A3B's shape: hidden 2048, experts
+    # of 768, 128 of them): gate-up with SiLU x up over gathered rows, then down
+    for label, n, k, gated in (("gate-up", 768, 2048, True), ("down", 2048, 768, False)):
+        moe_ptrs = {"a_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+        moe_ptrs |= {"a_rows_ptr": "*i64" if gated else "*i32", "offsets_ptr": "*i64"}
+        moe_ptrs |= {"tile_expert_ptr": "*i32", "tile_start_ptr": "*i32"}
+        out.append(
+            (
+                f"grouped_moe[{label},{dtype}]",
+                _grouped_matmul_kernel,
+                moe_ptrs,
+                dict(
+                    NUM_EXPERTS=128,
+                    N=n,
+                    K=k,
+                    GATHER=gated,
+                    GATED=gated,
+                    BLOCK_M=16,
+                    BLOCK_N=64,
+                    BLOCK_K=64,
+                    UPCAST=False,
+                    DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+                    SOFT_BF16=False,
+                ),
+            )
+        )
+    # the sampler's device draws (dtype-independent: seeds and counters in, float32 out)
+    out.append(
+        (
+            "uniform_draws",
+            _uniform_kernel,
+            {"seed_ptr": "*i64", "counter_ptr": "*i64", "out_ptr": "*fp32"},
+            dict(BLOCK=128),
         )
     )
     return out
