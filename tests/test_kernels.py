@@ -434,6 +434,9 @@ def test_kernels_compile_for_hopper() -> None:
         "add_rmsnorm[no-h,bf16]",
         "rope[bf16]",
         "silu_mul[bf16]",
+        "grouped_moe[gate-up,bf16]",
+        "grouped_moe[down,bf16]",
+        "uniform_draws",
     ]
 
 
