@@ -89,16 +89,21 @@ class FakeRunner:
     def slot(self, rid: str, pos: int) -> int:
         return self.tables[rid][pos // self.bs] * self.bs + pos % self.bs
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def begin(self, out: SchedulerOutput) -> None:
+        """Forget what finished or was preempted; copy partial prefix hits' K/V (before the
+        step runs, as the engine does)."""
         for rid in (*out.finished_ids, *out.preempted_ids):
             self.tokens.pop(rid, None)
             self.tables.pop(rid, None)
-        sampled: dict[str, int] = {}
-        for s in out.scheduled:  # partial prefix hits: K/V copied before the step runs
+        for s in out.scheduled:
             if s.kv_copy is not None:
                 src, dst, n = s.kv_copy
                 for k in range(n):
                     self.slots[dst * self.bs + k] = self.slots[src * self.bs + k]
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        self.begin(out)
+        sampled: dict[str, int] = {}
         for s in out.scheduled:
             rid = s.request_id
             if s.new_token_ids is not None:  # (re)admitted: the full token list, a fresh table

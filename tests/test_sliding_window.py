@@ -30,7 +30,7 @@ import pytest
 from conftest import save_random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler import _prefix_ids, default_token, make_request, workloads
+from test_scheduler import FakeRunner, _prefix_ids, default_token, make_request, workloads
 
 from cbgen.attention import AttentionBackend, AttentionMetadata, select
 from cbgen.attention.cpu_backend import CpuAttentionBackend
@@ -445,31 +445,19 @@ def test_released_and_skipped_blocks_never_enter_the_cache_under_another_prefix(
     assert kv.num_used_blocks == 0 and all(blk.ref_cnt == 0 for blk in kv.pool.blocks)
 
 
-class WindowRunner:
+class WindowRunner(FakeRunner):
     """The scheduler tests' fake runner under a window: it records which prefix each KV slot
     holds, writes a step's new K/V first (as every backend does, layer by layer), then checks
     that every query reads the right prefix at every position of its window, from blocks its
     request still holds (so that nobody else can overwrite them)."""
 
     def __init__(self, sched: Scheduler, window: int) -> None:
-        self.sched, self.window, self.bs = sched, window, sched.kv.block_size
-        self.tokens: dict[str, list[int]] = {}
-        self.tables: dict[str, list[int]] = {}
-        self.slots: dict[int, int] = {}
+        super().__init__(sched)
+        self.window = window
         self.num_reads = 0
 
-    def slot(self, rid: str, pos: int) -> int:
-        return self.tables[rid][pos // self.bs] * self.bs + pos % self.bs
-
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        for rid in (*out.finished_ids, *out.preempted_ids):
-            self.tokens.pop(rid, None)
-            self.tables.pop(rid, None)
-        for s in out.scheduled:  # partial prefix hits: copied before the step
-            if s.kv_copy is not None:
-                src, dst, n = s.kv_copy
-                for k in range(n):
-                    self.slots[dst * self.bs + k] = self.slots[src * self.bs + k]
+        self.begin(out)
         prefixes = {}
         for s in out.scheduled:
             rid = s.request_id
