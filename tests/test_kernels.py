@@ -433,6 +433,7 @@ def test_kernels_compile_for_hopper() -> None:
         "add_rmsnorm[h,bf16]",
         "add_rmsnorm[no-h,bf16]",
         "rope[bf16]",
+        "rope_write_kv[bf16]",
         "silu_mul[bf16]",
         "grouped_moe[gate-up,bf16]",
         "grouped_moe[down,bf16]",

@@ -6,6 +6,7 @@ with the PyPI package `kernels`, which transformers probes for).
     paged_attention_split_kv  split-KV (flash-decoding) form, merged by log-sum-exp
     add_rmsnorm_              residual += h in place, then RMSNorm(residual) * weight
     rope_                     rotate_half RoPE in place on (strided) q/k rows, tables gathered
+    rope_write_kv_            rope_ on qkv rows and write_kv_cache of their k and v, one launch
     silu_mul                  SiLU(gate) * up over [gate | up]
     grouped_moe               expert MLPs over tokens sorted by expert (mixture of experts)
     uniform_draws             per-row uniform numbers from (seed, draw counter): Philox on the device
@@ -25,7 +26,7 @@ from cbgen_kernels.attention import (
     paged_attention,
     paged_attention_split_kv,
 )
-from cbgen_kernels.cache import write_kv_cache
+from cbgen_kernels.cache import rope_write_kv_, write_kv_cache
 from cbgen_kernels.elementwise import rope_, silu_mul
 from cbgen_kernels.moe import grouped_moe
 from cbgen_kernels.norm import add_rmsnorm_
@@ -51,6 +52,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_split_kv",
     "rope_",
+    "rope_write_kv_",
     "silu_mul",
     "uniform_draws",
     "write_kv_cache",

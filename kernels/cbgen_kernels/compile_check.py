@@ -17,7 +17,7 @@ from typing import Any
 
 # Shared memory a block may use, by compute capability (bytes; from the CUDA programming guide).
 MAX_SHARED = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-ELEMENTWISE = ("add_rmsnorm", "rope", "silu_mul")
+ELEMENTWISE = ("add_rmsnorm", "rope", "silu_mul")  # "rope" covers rope_write_kv
 """Variants launched without fused multiply-adds (they round where the torch reference does)."""
 
 
@@ -48,7 +48,7 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
     """(name, kernel, pointer types, constexprs) of what the backends launch for a model with
     head_dim 128, GQA 4 and 16-token pages, in one dtype ("bf16", "fp16" or "fp32")."""
     from cbgen_kernels.attention import _merge_splits_kernel, _paged_attention_kernel, choose_config
-    from cbgen_kernels.cache import _write_kv_kernel
+    from cbgen_kernels.cache import _rope_write_kv_kernel, _write_kv_kernel
     from cbgen_kernels.elementwise import _rope_kernel, _silu_mul_kernel
     from cbgen_kernels.moe import _grouped_matmul_kernel
     from cbgen_kernels.norm import _add_rmsnorm_kernel
@@ -121,6 +121,27 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
             _rope_kernel,
             rope_ptrs,
             dict(NUM_HEADS=40, HEAD_DIM=128, HALF=64, HEADS_PAD=64, HALF_PAD=64, SOFT_BF16=False),
+        )
+    )
+    rope_kv_ptrs = rope_ptrs | {"key_cache_ptr": f"*{dtype}", "value_cache_ptr": f"*{dtype}"}
+    rope_kv_ptrs |= {"qkv_ptr": f"*{dtype}", "slot_mapping_ptr": "*i64"}
+    out.append(
+        (
+            f"rope_write_kv[{dtype}]",
+            _rope_write_kv_kernel,
+            rope_kv_ptrs,
+            dict(
+                NUM_HEADS=32,
+                NUM_KV_HEADS=8,
+                HEAD_DIM=128,
+                HALF=64,
+                HEADS_PAD=32,
+                KV_HEADS_PAD=8,
+                HALF_PAD=64,
+                DIM_PAD=128,
+                PAGE_SIZE=16,
+                SOFT_BF16=False,
+            ),
         )
     )
     out.append(

@@ -10,7 +10,8 @@ columns (v, when x is a qkv row), which are left alone:
     x1 <- x1 c - x2 s;   x2 <- x2 c + x1 s       (every product and sum rounded to the dtype)
 
 One program per token rotates all its heads; the tables are gathered in the kernel, so nothing
-is built on the host per step.
+is built on the host per step. table_rows and rotate_halves, the gather and the rotation, are
+shared with cache.rope_write_kv_ (RoPE fused with the K/V write).
 
 SiLU x up over gate_up [T, 2I] = [gate | up] -> [T, I]: silu(gate) is rounded to the dtype
 before it multiplies up, as F.silu(gate) * up does. A program covers BLOCK columns of one row.
@@ -29,6 +30,35 @@ from cbgen_kernels.rounding import round_to, soft_bf16
 
 SILU_BLOCK = 1024
 """Columns of up (and gate) per SiLU program."""
+
+
+@triton.jit
+def table_rows(
+    cos_ptr, sin_ptr, offset, dims, dim_mask, dtype: tl.constexpr, SOFT_BF16: tl.constexpr
+):
+    """cos and sin at one position (the row at offset of the float32 tables), rounded to dtype
+    as the reference does, as float32 [1, HALF_PAD]."""
+    c = tl.load(cos_ptr + offset + dims, mask=dim_mask, other=0.0)
+    s = tl.load(sin_ptr + offset + dims, mask=dim_mask, other=0.0)
+    c = round_to(c, dtype, SOFT_BF16).to(tl.float32)[None, :]
+    s = round_to(s, dtype, SOFT_BF16).to(tl.float32)[None, :]
+    return c, s
+
+
+@triton.jit
+def rotate_halves(
+    first, HALF: tl.constexpr, c, s, mask, dtype: tl.constexpr, SOFT_BF16: tl.constexpr
+):
+    """The rotated halves (x1 c - x2 s, x2 c + x1 s) of the heads whose first halves start at
+    the pointers `first` (second halves HALF further), each product and sum rounded to dtype;
+    c, s: the tables' rows, already rounded to dtype, as float32 [1, HALF_PAD]."""
+    x1 = tl.load(first, mask=mask).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
+    x1_cos = round_to(x1 * c, dtype, SOFT_BF16).to(tl.float32)
+    x2_sin = round_to(x2 * s, dtype, SOFT_BF16).to(tl.float32)
+    x2_cos = round_to(x2 * c, dtype, SOFT_BF16).to(tl.float32)
+    x1_sin = round_to(x1 * s, dtype, SOFT_BF16).to(tl.float32)
+    return round_to(x1_cos - x2_sin, dtype, SOFT_BF16), round_to(x2_cos + x1_sin, dtype, SOFT_BF16)
 
 
 @triton.jit
@@ -52,20 +82,34 @@ def _rope_kernel(
     dims = tl.arange(0, HALF_PAD)
     heads = tl.arange(0, HEADS_PAD)
     dim_mask = dims < HALF
-    c = tl.load(cos_ptr + pos * stride_table + dims, mask=dim_mask, other=0.0)
-    s = tl.load(sin_ptr + pos * stride_table + dims, mask=dim_mask, other=0.0)
-    c = round_to(c, dtype, SOFT_BF16).to(tl.float32)[None, :]
-    s = round_to(s, dtype, SOFT_BF16).to(tl.float32)[None, :]
+    c, s = table_rows(cos_ptr, sin_ptr, pos * stride_table, dims, dim_mask, dtype, SOFT_BF16)
     mask = (heads[:, None] < NUM_HEADS) & dim_mask[None, :]
     first = x_ptr + tok * stride_x + heads[:, None] * HEAD_DIM + dims[None, :]
-    x1 = tl.load(first, mask=mask).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
-    x1_cos = round_to(x1 * c, dtype, SOFT_BF16).to(tl.float32)
-    x2_sin = round_to(x2 * s, dtype, SOFT_BF16).to(tl.float32)
-    x2_cos = round_to(x2 * c, dtype, SOFT_BF16).to(tl.float32)
-    x1_sin = round_to(x1 * s, dtype, SOFT_BF16).to(tl.float32)
-    tl.store(first, round_to(x1_cos - x2_sin, dtype, SOFT_BF16), mask=mask)
-    tl.store(first + HALF, round_to(x2_cos + x1_sin, dtype, SOFT_BF16), mask=mask)
+    y1, y2 = rotate_halves(first, HALF, c, s, mask, dtype, SOFT_BF16)
+    tl.store(first, y1, mask=mask)
+    tl.store(first + HALF, y2, mask=mask)
+
+
+def check_rope(
+    op: str,
+    x: torch.Tensor,
+    columns: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Raise ValueError, naming op, unless x is [T, >= columns] with contiguous rows, positions
+    [T], and cos, sin [P, R / 2] tables with 0 < R <= head_dim (even)."""
+    if x.dim() != 2 or x.shape[1] < columns or x.stride(-1) != 1:
+        raise ValueError(
+            f"{op}: x must be [T, >= {columns}] with contiguous rows, got shape "
+            f"{tuple(x.shape)} strides {x.stride()}"
+        )
+    if head_dim % 2 or cos.shape != sin.shape or not 0 < 2 * cos.shape[-1] <= head_dim:
+        raise ValueError(f"{op}: tables of shape {tuple(cos.shape)} do not fit head_dim {head_dim}")
+    if positions.shape != (x.shape[0],):
+        raise ValueError(f"{op}: positions of shape {tuple(positions.shape)} for {x.shape[0]} rows")
 
 
 def rope_(
@@ -79,19 +123,7 @@ def rope_(
     """Rotate the first num_heads * head_dim columns of every row of x [T, >= that] (rows may
     be strided) in place, at positions [T], from the float32 tables cos, sin [P, R / 2]: the
     first R dims of each head (R = head_dim, or fewer under partial rotary)."""
-    if x.dim() != 2 or x.shape[1] < num_heads * head_dim or x.stride(-1) != 1:
-        raise ValueError(
-            f"rope_: x must be [T, >= {num_heads * head_dim}] with contiguous rows, got shape "
-            f"{tuple(x.shape)} strides {x.stride()}"
-        )
-    if head_dim % 2 or cos.shape != sin.shape or not 0 < 2 * cos.shape[-1] <= head_dim:
-        raise ValueError(
-            f"rope_: tables of shape {tuple(cos.shape)} do not fit head_dim {head_dim}"
-        )
-    if positions.shape != (x.shape[0],):
-        raise ValueError(
-            f"rope_: positions of shape {tuple(positions.shape)} for {x.shape[0]} rows"
-        )
+    check_rope("rope_", x, num_heads * head_dim, head_dim, positions, cos, sin)
     if x.shape[0] == 0:
         return
     cos, sin = cos.contiguous(), sin.contiguous()
