@@ -20,6 +20,10 @@ one model may differ, as Gemma 2's sliding and full layers do):
                         the softmax (Gemma 2's attn_logit_softcapping)
 
 A backend that cannot apply one says so at start-up (unsupported), never computes without it.
+
+A backend with attends_written_kv also splits forward in two: the model may write a layer's new
+K/V itself, in the same pass that applies RoPE (RopeKvOps.rope_write_kv_), and then call
+attend(), which is forward() without the write.
 The index layout of the flat batch and of the paged cache is drawn in torch_backend.
 """
 
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -52,6 +56,9 @@ class AttentionBackend(ABC):
 
     name: str
     """What --attention-backend calls it."""
+
+    attends_written_kv: ClassVar[bool] = False
+    """Whether attend() serves: the model may write the new K/V into the cache itself."""
 
     def unsupported(self, sliding_window: bool, logit_softcap: bool) -> str | None:
         """Why this backend cannot run layers with a sliding window / logit soft-capping (the
@@ -79,3 +86,17 @@ class AttentionBackend(ABC):
         meta.slot_mapping (negative slots skipped), then return the attention of query
         [T, H, D] over the cache: [T, H, D]. sliding_window, logit_softcap: see the module
         docstring (None: full attention, no capping)."""
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """forward() for a layer whose new K/V are already in kv_cache at meta.slot_mapping:
+        attention only. Only backends with attends_written_kv have it."""
+        raise NotImplementedError(f"the {self.name} backend writes its own K/V: call forward")

@@ -1,7 +1,8 @@
 """The triton attention backend: the kernels of cbgen_kernels (kernels/), the default on CUDA.
 
-Each layer writes its new K/V (write_kv_cache), then attends. How it attends is decided once
-per step, by the first layer, and reused by the others:
+Each layer writes its new K/V (write_kv_cache), then attends; or only attends (attend), where
+the model's ops have written them already, fused with RoPE (rope_write_kv_). How it attends is
+decided once per step, by the first layer, and reused by the others:
   - a batch with any prefill chunk: one paged_attention launch for the whole mixed batch;
   - a decode-only batch with too few (sequence, KV head) pairs to fill the GPU and contexts
     long enough to share out (choose_num_splits): the split-KV (flash-decoding) kernel, whose
@@ -56,6 +57,7 @@ class TritonPlan:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    attends_written_kv = True
 
     def __init__(
         self, num_sms: int | None = None, min_keys_per_split: int = 256, max_splits: int = 16
@@ -96,8 +98,27 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
     ) -> torch.Tensor:
+        self.kernels.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        return self.attend(
+            query,
+            kv_cache,
+            meta,
+            scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+        )
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
         k = self.kernels
-        k.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         plan: TritonPlan = meta.state
         if plan.num_splits is None:
             plan.num_splits = self._num_splits(meta, kv_cache.shape[-2]) if plan.decode_only else 1

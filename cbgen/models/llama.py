@@ -18,7 +18,7 @@ from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.cpu import kernels
 from cbgen.cpu.linear import Bf16Head, linear, pack_weight
 from cbgen.models.config import ModelConfig
-from cbgen.models.ops import TORCH_OPS, Ops, rms_norm
+from cbgen.models.ops import TORCH_OPS, Ops, RopeKvOps, rms_norm
 
 
 class Linear(nn.Linear):
@@ -145,19 +145,36 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q = qkv[:, :q_end].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, k_end:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, :q_end].view(t, self.num_heads, self.head_dim)).contiguous()
-            k = self.k_norm(
-                qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim)
-            ).contiguous()
+            q, k = self.q_norm(q).contiguous(), self.k_norm(k).contiguous()
             ops.rope_(q.view(t, -1), self.num_heads, self.head_dim, rope)
             ops.rope_(k.view(t, -1), self.num_kv_heads, self.head_dim, rope)
+        elif backend.attends_written_kv and isinstance(ops, RopeKvOps):
+            # one pass rotates q and k (side by side in each row of qkv) and writes K/V
+            ops.rope_write_kv_(
+                qkv,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                rope,
+                kv_cache,
+                meta.slot_mapping,
+            )
+            o = backend.attend(
+                q,
+                kv_cache,
+                meta,
+                self.scale,
+                sliding_window=self.sliding_window,
+                logit_softcap=self.logit_softcap,
+            )
+            return self.o_proj(o.reshape(t, self.q_size))
         else:
             # q and k sit side by side in each row of qkv: rotate them in one go
             ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope)
-            q = qkv[:, :q_end].view(t, self.num_heads, self.head_dim)
-            k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, k_end:].view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(
             q,
             k,

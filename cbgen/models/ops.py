@@ -11,7 +11,7 @@ Every op computes what the reference formulation computes, rounding included:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,28 @@ class Ops(Protocol):
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """GELU(gate) * up, GELU in its tanh approximation (GeGLU: Gemma), for gate_up as in
         silu_mul."""
+        ...
+
+
+@runtime_checkable
+class RopeKvOps(Protocol):
+    """Ops that also rotate q and k and write the new K/V into the paged cache in one pass
+    (TritonOps), for a backend that then only attends (AttentionBackend.attends_written_kv)."""
+
+    def rope_write_kv_(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        tables: Any,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """rope_(qkv, num_heads + num_kv_heads, head_dim, tables) on the rows of qkv =
+        | q | k | v | (num_heads, num_kv_heads, num_kv_heads heads), then the rotated k and v
+        written into kv_cache [2, blocks, block_size, num_kv_heads, head_dim] at slot_mapping
+        (negative slots: nothing written), as the backends' write_kv_cache does."""
         ...
 
 

@@ -1,6 +1,7 @@
 """The decoder's element-wise ops as Triton kernels (cbgen_kernels), the loader's choice on CUDA
 when triton imports: residual add + RMSNorm in one pass, RoPE in place with the cos/sin tables
-gathered inside the kernel, SiLU x up in one pass over the gate-up projection, and a
+gathered inside the kernel (also fused with the new K/V's write into the paged cache, for the
+triton backend: RopeKvOps), SiLU x up in one pass over the gate-up projection, and a
 mixture-of-experts layer's expert MLPs as grouped matmuls. Each rounds
 as cbgen.models.ops.TorchOps, the reference, does (tests/test_triton_ops.py).
 
@@ -40,6 +41,21 @@ class TritonOps:
     def rope_(self, x: torch.Tensor, num_heads: int, head_dim: int, tables: Any) -> None:
         positions, cos, sin = tables
         self.kernels.rope_(x, num_heads, head_dim, positions, cos, sin)
+
+    def rope_write_kv_(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        tables: Any,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        positions, cos, sin = tables
+        self.kernels.rope_write_kv_(
+            qkv, num_heads, num_kv_heads, head_dim, positions, cos, sin, kv_cache, slot_mapping
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_mul(gate_up)
