@@ -19,11 +19,13 @@
  * save less than it costs to start. */
 #define PAR_MIN_ELEMS (1 << 15)
 
-static inline v16 silu_mul16(v16 g, v16 u) {
-    const i16v neg = (i16v)(g < 0.0f);
-    const v16 a = (v16)((i16v)g & 0x7fffffff); /* |g| */
-    const v16 e = exp_nonpositive(-a);
-    const v16 num = (v16)(((i16v)(g * e) & neg) | ((i16v)g & ~neg));
+/* In vexp.h's vn, the vector an ISA holds in one register (16 floats with AVX-512, else 8):
+ * the activation is lane-wise, so the width changes no result. */
+static inline vn silu_mul_vn(vn g, vn u) {
+    const ivn neg = (ivn)(g < 0.0f);
+    const vn a = (vn)((ivn)g & 0x7fffffff); /* |g| */
+    const vn e = exp_vn(-a);
+    const vn num = (vn)(((ivn)(g * e) & neg) | ((ivn)g & ~neg));
     return num / (1.0f + e) * u;
 }
 
@@ -33,14 +35,15 @@ void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out) {
         const float *g = gu + t * 2 * I, *u = g + I;
         float *o = out + t * I;
         int64_t i = 0;
-        for (; i + 16 <= I; i += 16) *(v16u *)(o + i) = silu_mul16(*(const v16u *)(g + i), *(const v16u *)(u + i));
+        for (; i + VN <= I; i += VN)
+            *(vnu *)(o + i) = silu_mul_vn(*(const vnu *)(g + i), *(const vnu *)(u + i));
         if (i < I) {
-            v16 gv = {0}, uv = {0};
+            vn gv = {0}, uv = {0};
             for (int j = 0; i + j < I; ++j) {
                 gv[j] = g[i + j];
                 uv[j] = u[i + j];
             }
-            const v16 r = silu_mul16(gv, uv);
+            const vn r = silu_mul_vn(gv, uv);
             for (int j = 0; i + j < I; ++j) o[i + j] = r[j];
         }
     }

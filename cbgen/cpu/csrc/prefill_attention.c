@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vexp.h" /* v16, v16u, i16v, vmax16, exp_nonpositive */
+#include "vexp.h" /* v8, v16 and their max and exp */
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -45,15 +45,7 @@
 #define KC 64   /* keys per softmax step: four 16-key score tiles */
 #define KT 16   /* keys per score tile: two 8-float vectors */
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int32_t i8v __attribute__((vector_size(32)));
-
-/* The softmax in 8-float vectors: GCC splits vexp.h's 16-float compares and lane max into
- * scalar code on AVX2, which measured slower than the tiles' FMAs. Lane-wise max; a NaN lane
- * of a yields b's. */
-static inline v8 vmax8(v8 a, v8 b) { return (v8)_mm256_max_ps((__m256)a, (__m256)b); }
-
+/* The softmax in 8-float vectors (vexp.h's v8, vmax8, exp8), as in the tiles. */
 static inline float hmax8(v8 a) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
@@ -64,23 +56,6 @@ static inline float hsum8(v8 a) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-/* vexp.h's exp_nonpositive, 8 lanes. */
-static inline v8 exp8(v8 x) {
-    const i8v n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i8v);
-    const v8 nf = __builtin_convertvector(n, v8);
-    v8 r = x - nf * 0.693359375f;
-    r = r - nf * -2.12194440e-4f;
-    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    i8v bits = (i8v)p + (n << 23);
-    bits &= ~(i8v)(x < -87.33f);
-    return (v8)bits;
 }
 
 /* tanh(x), 8 lanes: 1 - 2 / (exp(2 |x|) + 1) with the sign of x, from exp8 of -2 |x|; below

@@ -54,7 +54,7 @@ static int sample_row(const float *l, int64_t V, float temperature, float u, int
     for (int64_t v = 0; v < V; v += 16) {
         const v16 x = load16(l, v, V, 1.0f);
         vm = vmax16(x, vm);
-        vbad |= (x != x) | (x == INFINITY);
+        vbad |= nan_or_inf16(x);
     }
     float m = -INFINITY;
     int bad = 0;
