@@ -24,14 +24,21 @@ def _check(
     named for the message). TypeError for the dtype, ValueError for the rest."""
     if t.dtype != dtype:
         raise TypeError(f"{name}: expected {dtype}, got {t.dtype}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{name}: expected a CPU tensor, got one on {t.device}")
-    if shape is not None and (
-        t.dim() != len(shape)
-        or any(isinstance(w, int) and w != n for w, n in zip(shape, t.shape, strict=True))
-    ):
-        want = ", ".join(str(w) for w in shape)
-        raise ValueError(f"{name}: expected shape [{want}], got {list(t.shape)}")
+    if shape is None:
+        return
+    # a plain loop: these checks run for every kernel call of every layer (~700 a decode step)
+    got = t.shape
+    bad = len(got) != len(shape)
+    if not bad:
+        for want, n in zip(shape, got, strict=True):
+            if want.__class__ is int and want != n:
+                bad = True
+                break
+    if bad:
+        want_text = ", ".join(str(w) for w in shape)
+        raise ValueError(f"{name}: expected shape [{want_text}], got {list(got)}")
 
 
 def _check_contiguous(name: str, t: torch.Tensor) -> None:
