@@ -54,6 +54,10 @@ static inline float hsum8(v8 a) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
+/* fmaxf(m, s) for an m that is never NaN (a NaN s leaves m), inline: without finite-math,
+ * GCC calls libm's fmaxf for every score */
+static inline float max_score(float m, float s) { return s > m ? s : m; }
+
 /* Scores of nt tokens (rows `tok_stride` apart) against one query head, four tokens at a
  * time so that four independent FMA chains are in flight; C = D / 8 is a constant. */
 #define QK_ROWS(C)                                                                        \
@@ -76,14 +80,14 @@ static inline float hsum8(v8 a) {
             const float s0 = hsum8(a0) * scale, s1 = hsum8(a1) * scale;                   \
             const float s2 = hsum8(a2) * scale, s3 = hsum8(a3) * scale;                   \
             dst[t] = s0; dst[t + 1] = s1; dst[t + 2] = s2; dst[t + 3] = s3;               \
-            m = fmaxf(m, fmaxf(fmaxf(s0, s1), fmaxf(s2, s3)));                            \
+            m = max_score(max_score(max_score(max_score(m, s0), s1), s2), s3);            \
         }                                                                                 \
         for (; t < nt; ++t) {                                                             \
             const float *r = k0 + t * tok_stride;                                         \
             v8 a = {0};                                                                   \
             for (int c = 0; c < C; ++c) a += qv[c] * *(const v8u *)(r + 8 * c);           \
             dst[t] = hsum8(a) * scale;                                                    \
-            m = fmaxf(m, dst[t]);                                                         \
+            m = max_score(m, dst[t]);                                                     \
         }                                                                                 \
         *mx = m;                                                                          \
     }                                                                                     \
