@@ -178,3 +178,14 @@ def test_the_prompt_heavy_workload_keeps_only_long_prompts(
     for r in json.loads((tmp_path / "workload.json").read_text())["requests"]:
         # 300-400 raw tokens, plus the chat template's system prompt and turn markers
         assert 300 < len(r["prompt_token_ids"]) <= 400 + 60
+
+
+def test_the_vllm_worker_names_preloaded_libraries_without_their_folders() -> None:
+    from tools.vllm_worker import preloaded_names
+
+    assert preloaded_names(None) == "(unset)"
+    assert preloaded_names("") == "(unset)"
+    assert (
+        preloaded_names("libtcmalloc_minimal.so.4:/opt/venv/lib/libiomp5.so")
+        == "libtcmalloc_minimal.so.4:libiomp5.so"
+    )

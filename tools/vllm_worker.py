@@ -72,7 +72,7 @@ def main() -> None:
             f"vllm {vllm.__version__}, fp32, chunked prefill, "
             f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '(unset)')}, "
             f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '(unset)')} GiB, "
-            f"LD_PRELOAD={os.environ.get('LD_PRELOAD') or '(unset)'}"
+            f"LD_PRELOAD={preloaded_names(os.environ.get('LD_PRELOAD'))}"
         )
         # first_finished_s stays None: LLM.generate returns only when every request is done.
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
@@ -80,6 +80,13 @@ def main() -> None:
             engine_core.shutdown(timeout=30)  # stop the engine-core and worker children
 
     run_worker("vLLM CPU", args.out, body)
+
+
+def preloaded_names(ld_preload: str | None) -> str:
+    """LD_PRELOAD's libraries by file name: the result files name no folder of the machine."""
+    if not ld_preload:
+        return "(unset)"
+    return ":".join(os.path.basename(p) for p in ld_preload.split(":") if p)
 
 
 if __name__ == "__main__":
