@@ -121,7 +121,7 @@ typedef struct {
 } weights_ctx;
 
 /* proposal weights exp((U_v - max) / T) of 16 tokens from i on, 0 past end */
-static inline v16 weights16(const void *ctx, int64_t i, int64_t end) {
+static inline void weights16(const void *ctx, int64_t i, int64_t end, float *out) {
     const float *up = ((const weights_ctx *)ctx)->up;
     const float m = ((const weights_ctx *)ctx)->m, inv_t = ((const weights_ctx *)ctx)->inv_t;
     const int64_t n = end - i < 16 ? end - i : 16;
@@ -133,7 +133,7 @@ static inline v16 weights16(const void *ctx, int64_t i, int64_t end) {
     }
     v16 w = exp_nonpositive(vmax16((u - m) * inv_t, (v16){0} - 100.0f));
     for (int64_t k = n; k < 16; ++k) w[k] = 0.0f;
-    return w;
+    *(v16u *)out = w;
 }
 
 static inline uint64_t splitmix64(uint64_t *state) {

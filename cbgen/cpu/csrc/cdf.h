@@ -2,8 +2,10 @@
  * (sample.c) and the bf16 head's proposals (bf16_head.c). The weights are summed by chunk (at
  * most CDF_CHUNKS chunks of a multiple of 16 tokens, each sum in double); a draw finds the
  * chunk where target = u x total falls, then scans it token by token. A weight function
- * w(ctx, i, end) gives the weights of tokens [i, i + 16), 0 at and past end; the callers'
- * functions are static inline and passed as constants, so the calls inline. */
+ * w(ctx, i, end, out) writes the weights of tokens [i, i + 16) to out, 0 at and past end; the
+ * callers' functions are static inline and passed as constants, so the calls inline. The
+ * weights go through a 16-float buffer rather than a 16-float vector value: on AVX2, GCC moves
+ * such a value between functions through the stack 8 bytes at a time. */
 #ifndef CBGEN_CDF_H
 #define CBGEN_CDF_H
 #include <stdint.h>
@@ -12,7 +14,7 @@
 
 #define CDF_CHUNKS 256
 
-typedef v16 (*cdf_weights_fn)(const void *ctx, int64_t i, int64_t end);
+typedef void (*cdf_weights_fn)(const void *ctx, int64_t i, int64_t end, float *out);
 
 typedef struct {
     int64_t V, chunk, nchunks;
@@ -27,10 +29,26 @@ static inline __attribute__((always_inline)) void cdf_sums(cdf_t *cdf, int64_t V
     cdf->total = 0.0;
     for (int64_t c = 0; c < cdf->nchunks; ++c) {
         const int64_t hi = (c + 1) * cdf->chunk < V ? (c + 1) * cdf->chunk : V;
+        float wv[16] __attribute__((aligned(64))), lanes[16] __attribute__((aligned(64)));
+#ifdef CBGEN_V16_HALVES /* the same 16 lane sums, in AVX2's two registers */
+        v8 lo = (v8){0}, up = (v8){0};
+        for (int64_t i = c * cdf->chunk; i < hi; i += 16) {
+            w(ctx, i, hi, wv);
+            lo += *(const v8 *)wv;
+            up += *(const v8 *)(wv + 8);
+        }
+        *(v8 *)lanes = lo;
+        *(v8 *)(lanes + 8) = up;
+#else
         v16 acc = (v16){0};
-        for (int64_t i = c * cdf->chunk; i < hi; i += 16) acc += w(ctx, i, hi);
+        for (int64_t i = c * cdf->chunk; i < hi; i += 16) {
+            w(ctx, i, hi, wv);
+            acc += *(const v16 *)wv;
+        }
+        *(v16 *)lanes = acc;
+#endif
         double s = 0.0;
-        for (int k = 0; k < 16; ++k) s += (double)acc[k];
+        for (int k = 0; k < 16; ++k) s += (double)lanes[k];
         cdf->sums[c] = s;
         cdf->total += s;
     }
@@ -47,7 +65,8 @@ static inline __attribute__((always_inline)) int64_t cdf_pick(const cdf_t *cdf, 
     const int64_t hi = (c + 1) * cdf->chunk < cdf->V ? (c + 1) * cdf->chunk : cdf->V;
     int64_t last = -1;
     for (int64_t i = c * cdf->chunk; i < hi; i += 16) {
-        const v16 wv = w(ctx, i, hi);
+        float wv[16] __attribute__((aligned(64)));
+        w(ctx, i, hi, wv);
         for (int k = 0; k < 16 && i + k < hi; ++k) {
             if (wv[k] > 0.0f) {
                 last = i + k;

@@ -21,46 +21,58 @@
 #include "cdf.h"
 #include "vexp.h"
 
-/* Sixteen tokens from i on (fewer at the row's end, the rest -inf: weight 0), divided by the
- * temperature unless it is 1. */
-static inline v16 load16(const float *l, int64_t i, int64_t end, float temperature) {
-    v16 x;
-    if (i + 16 <= end) {
-        x = *(const v16u *)(l + i);
-    } else {
-        x = (v16){0} - INFINITY;
-        for (int64_t k = 0; i + k < end; ++k) x[k] = l[i + k];
-    }
-    return temperature == 1.0f ? x : x / temperature;
-}
-
 typedef struct {
     const float *l;
     float temperature, m;
 } weights_ctx;
 
-/* exp(x_v / T - max) of sixteen tokens from i on, 0 past end */
-static inline v16 weights16(const void *ctx, int64_t i, int64_t end) {
+/* exp(x_v / T - max) of sixteen tokens from i on (the division skipped when T is 1), 0 past end */
+static inline void weights16(const void *ctx, int64_t i, int64_t end, float *out) {
     const weights_ctx *c = ctx;
-    return exp_nonpositive(load16(c->l, i, end, c->temperature) - c->m);
+    const float *x = c->l + i;
+    float tail[16];
+    if (i + 16 > end) { /* past the row's end: -inf, weight 0 */
+        for (int64_t k = 0; k < 16; ++k) tail[k] = i + k < end ? x[k] : -INFINITY;
+        x = tail;
+    }
+#ifdef CBGEN_V16_HALVES
+    for (int h = 0; h < 16; h += 8) {
+        v8 v = *(const v8u *)(x + h);
+        if (c->temperature != 1.0f) v = v / c->temperature;
+        *(v8u *)(out + h) = exp8(v - c->m);
+    }
+#else
+    v16 v = *(const v16u *)x;
+    if (c->temperature != 1.0f) v = v / c->temperature;
+    *(v16u *)out = exp_nonpositive(v - c->m);
+#endif
 }
 
 static int sample_row(const float *l, int64_t V, float temperature, float u, int64_t *out) {
     /* pass 1: the largest logit (division by T > 0 keeps the order, also once rounded, so the
      * largest quotient is the largest logit's); NaN and +inf are refused: the torch path
      * decides what they mean */
-    v16 vm = (v16){0} - INFINITY;
-    i16v vbad = (i16v){0};
-    for (int64_t v = 0; v < V; v += 16) {
-        const v16 x = load16(l, v, V, 1.0f);
-        vm = vmax16(x, vm);
-        vbad |= nan_or_inf16(x);
+    vn vm = (vn){0} - INFINITY;
+    ivn vbad = (ivn){0};
+    int64_t v = 0;
+    for (; v + VN <= V; v += VN) { /* in the register's width: a maximum and an or, exact either way */
+        const vn x = *(const vnu *)(l + v);
+        vm = vmax_vn(x, vm);
+        vbad |= (x != x) | (x == INFINITY);
     }
+    float lanes[VN];
+    int32_t bad_lanes[VN];
+    *(vnu *)lanes = vm;
+    *(ivn *)bad_lanes = vbad;
     float m = -INFINITY;
     int bad = 0;
-    for (int k = 0; k < 16; ++k) {
-        m = vm[k] > m ? vm[k] : m;
-        bad |= vbad[k] != 0;
+    for (int k = 0; k < VN; ++k) {
+        m = lanes[k] > m ? lanes[k] : m;
+        bad |= bad_lanes[k] != 0;
+    }
+    for (; v < V; ++v) {
+        m = l[v] > m ? l[v] : m;
+        bad |= l[v] != l[v] || l[v] == INFINITY;
     }
     if (bad || m == -INFINITY) return -1;
     if (temperature != 1.0f) m /= temperature;

@@ -89,12 +89,14 @@ typedef v16 vn;
 typedef v16u vnu;
 typedef i16v ivn;
 static inline vn exp_vn(vn x) { return exp_nonpositive(x); }
+static inline vn vmax_vn(vn a, vn b) { return vmax16(a, b); }
 #else
 #define VN 8
 typedef v8 vn;
 typedef v8u vnu;
 typedef i8v ivn;
 static inline vn exp_vn(vn x) { return exp8(x); }
+static inline vn vmax_vn(vn a, vn b) { return vmax8(a, b); }
 #endif
 
 /* Lanes of x that are NaN or +inf: all ones, others 0. */
