@@ -441,6 +441,63 @@ def test_kernels_compile_for_hopper() -> None:
     ]
 
 
+def test_rounding_fmas_leaves_out_the_adds_and_multiplies_sm80_writes_as_fmas() -> None:
+    from cbgen_kernels.compile_check import rounding_fmas
+
+    ptx = """
+        mov.b16 \t%rs9, 0x3F80;
+        mov.b16 \t%rs7, 0xBF80;
+        mov.b16 \t%rs8, 0x8000;
+        fma.rn.bf16 \t%rs1, %rs2, %rs9, %rs3;
+        fma.rn.bf16 \t%rs1, %rs7, %rs2, %rs3;
+        fma.rn.bf16 \t%rs4, %rs2, %rs5, %rs8;
+        fma.rn.f32 \t%f1, %f2, 0f3F800000, %f4;
+        fma.rn.f32 \t%f1, %f2, %f3, %f4;
+        fma.rn.bf16 \t%rs4, %rs2, %rs5, %rs6;
+    """
+    assert rounding_fmas(ptx) == [
+        "fma.rn.f32 \t%f1, %f2, %f3, %f4;",
+        "fma.rn.bf16 \t%rs4, %rs2, %rs5, %rs6;",
+    ]
+
+
+@pytest.mark.skipif(_ptxas() is None, reason="triton ships no ptxas here")
+def test_element_wise_kernels_compile_for_ampere_without_fused_rounding() -> None:
+    """sm_80 has no bf16 add or multiply: LLVM writes them as fma with 1.0 or -0.0, which round
+    like the plain operations and pass; the same kernels compiled with fp fusion on do get
+    fused multiply-adds, which the check reports."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "import cbgen_kernels.compile_check as C\n"
+        "names = [v.name for v in C.compile_all(80, ('bf16',)) if v.name.startswith(C.ELEMENTWISE)]\n"
+        "print(' '.join(names))\n"
+        "fused = 0\n"
+        "for name, fn, ptrs, consts in C.variants('fp32'):\n"
+        "    if name.startswith('rope['):\n"
+        "        src = ASTSource(fn=fn, signature=C._signature(fn, ptrs, consts), constexprs=consts)\n"
+        "        opts = {'num_warps': 4, 'enable_fp_fusion': True}\n"
+        "        c = triton.compile(src, target=GPUTarget('cuda', 80, 32), options=opts)\n"
+        "        fused += len(C.rounding_fmas(c.asm['ptx']))\n"
+        "print(fused)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    compiled, fused = res.stdout.split("\n")[:2]
+    assert compiled.split() == [
+        "add_rmsnorm[h,bf16]",
+        "add_rmsnorm[no-h,bf16]",
+        "rope[bf16]",
+        "rope_write_kv[bf16]",
+        "silu_mul[bf16]",
+    ]
+    assert int(fused) > 0
+
+
 # ---- on a GPU only: sizes the interpreter cannot afford ----------------------------------
 
 
