@@ -70,9 +70,9 @@ def test_a_busy_machine_is_not_measured(tmp_path: Path, monkeypatch: pytest.Monk
         raise AssertionError("measured on a busy machine")
 
     monkeypatch.setattr(tuning, "measure", fail)
-    monkeypatch.setattr(tuning, "_load_per_cpu", lambda: 1.5)
+    monkeypatch.setattr(tuning, "_load_per_cpu", lambda: 0.8)
     got = tuning.tune(tmp_path / "x.so", default=96)
-    assert got == tuning.Tuning(96, "build default: machine busy (load 1.5 per CPU)")
+    assert got == tuning.Tuning(96, "build default: machine busy (80% of the CPUs)")
     assert not tuning.tuning_path(tmp_path / "x.so").exists()  # measured at a later start
 
 
@@ -127,3 +127,25 @@ def test_apply_sets_the_threshold_and_the_start_up_line_names_it(
         assert Engine._native_line().endswith(", small_gemm up to 48 rows (measured)")
     finally:
         kernels.set_small_gemm_max_rows(None)
+
+
+def test_the_busy_share_is_what_the_cpus_did_while_the_pass_waited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (busy, total) ticks since boot, read before and after the wait: 30 of 100 ticks busy
+    samples = iter([(5_000, 20_000), (5_030, 20_100)])
+    monkeypatch.setattr(tuning, "_cpu_times", lambda: next(samples))
+    assert tuning._load_per_cpu(interval=0.0) == pytest.approx(0.3)
+    # where /proc/stat cannot be read: the load average per CPU
+    monkeypatch.setattr(tuning, "_cpu_times", lambda: None)
+    monkeypatch.setattr(tuning.os, "getloadavg", lambda: (3.0, 0.0, 0.0))
+    monkeypatch.setattr(tuning.os, "cpu_count", lambda: 2)
+    assert tuning._load_per_cpu(interval=0.0) == pytest.approx(1.5)
+
+
+def test_cpu_times_reads_this_machine() -> None:
+    times = tuning._cpu_times()
+    if times is None:
+        pytest.skip("no /proc/stat here")
+    busy, total = times
+    assert 0 <= busy <= total and total > 0

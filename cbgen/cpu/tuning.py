@@ -46,8 +46,9 @@ SLACK = 1.10
 """small_gemm keeps a row count unless it is clearly slower there (by more than this, twice)."""
 
 BUSY_LOAD = 0.5
-"""Load average per CPU above which the pass does not measure (another job's noise would be
-kept for good): the build's default serves this process and a later start measures."""
+"""Share of the CPUs busy with other work above which the pass does not measure (another job's
+noise would be kept for good): the build's default serves this process and a later start
+measures."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,30 @@ def measure(reps: int = 5) -> tuple[list[float], list[float]] | None:
     return native, onednn
 
 
-def _load_per_cpu() -> float:
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of all CPUs since boot (/proc/stat), None where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _load_per_cpu(interval: float = 0.3) -> float:
+    """The share of the CPUs other processes keep busy now: /proc/stat over `interval` seconds
+    while this process sleeps. Not the load average: its minute-long memory still holds a job
+    that has just ended (the peer comparison's matmul peak, say), and would turn the tuning
+    down for the next minute. The load average where /proc/stat is unreadable."""
+    before = _cpu_times()
+    if before is not None:
+        time.sleep(interval)
+        after = _cpu_times()
+        if after is not None and after[1] > before[1]:
+            return (after[0] - before[0]) / (after[1] - before[1])
     try:
         return os.getloadavg()[0] / (os.cpu_count() or 1)
     except OSError:
@@ -177,7 +201,7 @@ def tune(library: Path, default: int) -> Tuning:
         return found
     load = _load_per_cpu()
     if load > BUSY_LOAD:
-        return Tuning(default, f"build default: machine busy (load {load:.1f} per CPU)")
+        return Tuning(default, f"build default: machine busy ({load:.0%} of the CPUs)")
     timings = measure()
     if timings is None:
         return Tuning(default, "build default: oneDNN packing unavailable")
