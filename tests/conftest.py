@@ -23,6 +23,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def triton_kernels_can_run(device: torch.device) -> None:
+    """Fail (not skip) a kernel test that would run compiled kernels on the CPU."""
+    import cbgen_kernels
+
+    if device.type == "cpu" and not cbgen_kernels.interpreted():
+        pytest.fail(
+            "cbgen_kernels was imported without TRITON_INTERPRET=1 (triton was imported before "
+            "this module set it), so its kernels cannot run on the CPU"
+        )
+
+
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # GQA 4:2, untied
     "llama": dict(

@@ -31,6 +31,7 @@ from typing import Any
 
 import cbgen_kernels
 import pytest
+from conftest import triton_kernels_can_run
 
 from cbgen.attention import torch_backend as ref
 
@@ -40,11 +41,7 @@ ATOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 @pytest.fixture(autouse=True)
 def _kernels_can_run() -> None:
-    if DEVICE.type == "cpu" and not cbgen_kernels.interpreted():
-        pytest.fail(
-            "cbgen_kernels was imported without TRITON_INTERPRET=1 (triton was imported before "
-            "this module set it), so its kernels cannot run on the CPU"
-        )
+    triton_kernels_can_run(DEVICE)
 
 
 @dataclass

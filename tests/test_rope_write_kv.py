@@ -23,7 +23,7 @@ from typing import Any
 
 import cbgen_kernels
 import pytest
-from conftest import tiny_engine
+from conftest import tiny_engine, triton_kernels_can_run
 from test_exact import hf_greedy
 
 from cbgen.attention import torch_backend
@@ -42,11 +42,7 @@ BLOCKS = 6
 
 @pytest.fixture(autouse=True)
 def _kernels_can_run() -> None:
-    if DEVICE.type == "cpu" and not cbgen_kernels.interpreted():
-        pytest.fail(
-            "cbgen_kernels was imported without TRITON_INTERPRET=1 (triton was imported before "
-            "this module set it), so its kernels cannot run on the CPU"
-        )
+    triton_kernels_can_run(DEVICE)
 
 
 class Case:

@@ -148,6 +148,7 @@ class Attention(nn.Module):
         q = qkv[:, :q_end].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(t, self.num_kv_heads, self.head_dim)
+        written = False  # the new K/V already in kv_cache
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q).contiguous(), self.k_norm(k).contiguous()
             ops.rope_(q.view(t, -1), self.num_heads, self.head_dim, rope)
@@ -163,28 +164,19 @@ class Attention(nn.Module):
                 kv_cache,
                 meta.slot_mapping,
             )
-            o = backend.attend(
-                q,
-                kv_cache,
-                meta,
-                self.scale,
-                sliding_window=self.sliding_window,
-                logit_softcap=self.logit_softcap,
-            )
-            return self.o_proj(o.reshape(t, self.q_size))
+            written = True
         else:
             # q and k sit side by side in each row of qkv: rotate them in one go
             ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope)
-        o = backend.forward(
-            q,
-            k,
-            v,
-            kv_cache,
-            meta,
-            self.scale,
-            sliding_window=self.sliding_window,
-            logit_softcap=self.logit_softcap,
-        )
+        window, cap = self.sliding_window, self.logit_softcap
+        if written:
+            o = backend.attend(
+                q, kv_cache, meta, self.scale, sliding_window=window, logit_softcap=cap
+            )
+        else:
+            o = backend.forward(
+                q, k, v, kv_cache, meta, self.scale, sliding_window=window, logit_softcap=cap
+            )
         return self.o_proj(o.reshape(t, self.q_size))
 
 
