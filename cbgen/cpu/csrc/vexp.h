@@ -55,7 +55,6 @@ static inline v8 vmax8(v8 a, v8 b) {
 typedef union {
     v16 v;
     v8 h[2];
-    i8v i[2];
 } v16_halves;
 #endif
 
@@ -98,17 +97,5 @@ typedef i8v ivn;
 static inline vn exp_vn(vn x) { return exp8(x); }
 static inline vn vmax_vn(vn a, vn b) { return vmax8(a, b); }
 #endif
-
-/* Lanes of x that are NaN or +inf: all ones, others 0. */
-static inline i16v nan_or_inf16(v16 x) {
-#ifdef CBGEN_V16_HALVES
-    v16_halves r = {.v = x};
-    r.i[0] = (r.h[0] != r.h[0]) | (r.h[0] == __builtin_inff());
-    r.i[1] = (r.h[1] != r.h[1]) | (r.h[1] == __builtin_inff());
-    return (i16v)r.v;
-#else
-    return (x != x) | (x == __builtin_inff());
-#endif
-}
 
 #endif
