@@ -55,6 +55,43 @@ def test_tune_measures_once_and_reads_back(tmp_path: Path, monkeypatch: pytest.M
     assert len(calls) == 4
 
 
+@needs_kernels
+def test_tune_times_the_int16_head_where_it_is_a_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The faster head is kept with its timings; where the int16 head is no choice (None: not in
+    the build, or bf16 dot products) it is neither timed nor taken, even from a file that says so."""
+    monkeypatch.setattr(tuning, "measure", lambda reps=5: ([1.0], [2.0]))
+    monkeypatch.setattr(tuning, "_load_per_cpu", lambda: 0.0)
+    for times, want in (((2.0, 1.0), True), ((1.0, 2.0), False)):
+        monkeypatch.setattr(tuning, "measure_head", lambda reps=5, t=times: t)
+        lib = tmp_path / f"{want}.so"
+        got = tuning.tune(lib, default=7, int16_head=not want)
+        assert got == tuning.Tuning(16, "measured", want)
+        kept = json.loads(tuning.tuning_path(lib).read_text())
+        assert (kept["float32_head_s"], kept["int16_head_s"]) == times
+        assert kept["head_shape"] == [tuning.HEAD_ROWS, *tuning.HEAD_SHAPE]
+        assert tuning.tune(lib, default=7, int16_head=not want) == got  # read back
+    assert tuning.tune(tmp_path / "True.so", default=7, int16_head=None).int16_head is False
+
+    def fail(reps: int = 5) -> None:
+        raise AssertionError("timed a head that is no choice here")
+
+    monkeypatch.setattr(tuning, "measure_head", fail)
+    got = tuning.tune(tmp_path / "none.so", default=7, int16_head=None)
+    assert got == tuning.Tuning(16, "measured", False)
+    assert "int16_head_s" not in json.loads(tuning.tuning_path(tmp_path / "none.so").read_text())
+
+
+@pytest.mark.skipif(
+    build.load_library() is None or not kernels.head_i16_available(),
+    reason="no int16 head in this build (x86-64 with AVX2)",
+)
+def test_measure_head_times_both_heads() -> None:
+    float32_s, int16_s = tuning.measure_head(reps=1)
+    assert 0 < float32_s < 5 and 0 < int16_s < 5
+
+
 def test_tune_without_onednn_keeps_the_build_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,7 +151,14 @@ def test_apply_sets_the_threshold_and_the_start_up_line_names_it(
         build, "native_build", lambda: build.Build(native.library, native.reason, lib_copy)
     )
     tuning.tuning_path(lib_copy).write_text(
-        json.dumps({"version": tuning.VERSION, "small_gemm_max_rows": 48, "source": "measured"})
+        json.dumps(
+            {
+                "version": tuning.VERSION,
+                "small_gemm_max_rows": 48,
+                "source": "measured",
+                "int16_head": False,
+            }
+        )
     )
     monkeypatch.setenv("CBGEN_CPU_TUNING", "on")
     monkeypatch.setattr(tuning, "_applied", [])

@@ -145,8 +145,8 @@ def test_multimodal_gemma3_runs_its_language_model_on_text(tmp_path: Path) -> No
     assert got == expected
 
 
-def test_soft_capped_logits_skip_the_bf16_head(tiny_model_dir: Callable[[str], Path]) -> None:
-    """The bf16 head picks tokens from uncapped logits; a soft-capped model never gets one."""
+def test_soft_capped_logits_skip_the_exact_head(tiny_model_dir: Callable[[str], Path]) -> None:
+    """The exact head picks tokens from uncapped logits; a soft-capped model never gets one."""
     engine = Engine(
         model=str(tiny_model_dir("gemma2")),
         device="cpu",
@@ -155,7 +155,7 @@ def test_soft_capped_logits_skip_the_bf16_head(tiny_model_dir: Callable[[str], P
         num_threads=1,
     )
     assert engine.model_config.final_logit_softcap == 8.0
-    assert engine.model.bf16_head is None
+    assert engine.model.exact_head is None
 
 
 GEMMA2_CONFIG: dict[str, Any] = dict(

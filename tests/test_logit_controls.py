@@ -133,8 +133,8 @@ def test_bad_words_mask_a_word_only_after_its_first_tokens() -> None:
     assert Sampler()(logits, rows) == [0, 5, 5, 5]
 
 
-def test_rows_with_controls_never_take_the_bf16_head(engine: Engine) -> None:
-    """The bf16 head makes token ids without float32 logits: a row with a control must be
+def test_rows_with_controls_never_take_the_exact_head(engine: Engine) -> None:
+    """The exact head makes token ids without float32 logits: a row with a control must be
     sampled from the logits. A head that always answers 0 shows which rows it took."""
 
     class ZeroHead:
@@ -155,7 +155,7 @@ def test_rows_with_controls_never_take_the_bf16_head(engine: Engine) -> None:
     want = [greedy(engine, PROMPTS[:1], **controls) for controls in cases]
     model = engine.runner.model
     head = ZeroHead()
-    model.bf16_head = head  # type: ignore[assignment]
+    model.exact_head = head  # type: ignore[assignment]
     try:
         plain = greedy(engine, PROMPTS[:1])
         assert plain == [[0] * NEW_TOKENS] and head.rows == NEW_TOKENS
@@ -164,7 +164,7 @@ def test_rows_with_controls_never_take_the_bf16_head(engine: Engine) -> None:
             assert greedy(engine, PROMPTS[:1], **controls) == tokens
             assert head.rows == 0, controls
     finally:
-        model.bf16_head = None
+        model.exact_head = None
 
 
 def test_logit_bias_keys_and_values_as_openai_gives_them() -> None:

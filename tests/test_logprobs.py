@@ -192,7 +192,7 @@ def test_prompt_logprobs_survive_preemption(tiny_model_dir: Callable[[str], Path
 
 
 class RecordingHead:
-    """Stands in for the bf16 head (a CPU without native bf16 has none): the float32 argmax,
+    """Stands in for the exact head (a CPU without one has none): the float32 argmax,
     and the number of rows it was given."""
 
     MIN_TEMPERATURE = 0.25
@@ -210,12 +210,12 @@ class RecordingHead:
 
 
 def test_rows_with_logprobs_take_the_float32_head(tiny_model_dir: Callable[[str], Path]) -> None:
-    """The bf16 head makes no float32 logits: a greedy row that asks for logprobs goes
+    """The exact head makes no float32 logits: a greedy row that asks for logprobs goes
     around it, a plain greedy row still takes it."""
     model = tiny_model_dir("llama")
     engine = engine_for(model)
     head = RecordingHead(engine)
-    engine.runner.model.bf16_head = head  # type: ignore[assignment]
+    engine.runner.model.exact_head = head  # type: ignore[assignment]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     outs = generate(
         engine,

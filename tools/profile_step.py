@@ -1,6 +1,7 @@
 """Profile cbgen's engine steps: N requests of random prompt lengths, a fixed output length.
 
     python -m tools.profile_step --num 64 --prompt 88 --output 128 [--temperature 1] [--torch-profile | --cprofile]
+    python -m tools.profile_step --alternate-head   # the exact LM head against the float32 one
 
 --torch-profile sees torch ops only; --cprofile also times the C kernels (called through ctypes),
 per call site. Either profiles --profile-steps steps (10) after the first --profile-after steps;
@@ -90,6 +91,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sort", default="tottime", help="--cprofile: pstats sort key (tottime, cumtime, ...)"
     )
     ap.add_argument("--rows", type=int, default=15, help="profile rows to print")
+    ap.add_argument(
+        "--alternate-head",
+        action="store_true",
+        help="steps alternate between the model's exact LM head (bf16 or int16) and the float32 "
+        "head, two at a time; prints the full decode steps' median of each",
+    )
     args = ap.parse_args(argv)
     if args.torch_profile and args.cprofile:
         ap.error("choose one of --torch-profile and --cprofile")
@@ -127,10 +134,18 @@ def main(argv: list[str] | None = None) -> None:
     profiler = Profiler(kind, args.sort, args.rows) if kind else None
     window = range(args.profile_after, args.profile_after + args.profile_steps)
     steps: list[StepStats] = []
+    model = engine.runner.model
+    exact_head = model.exact_head
+    if args.alternate_head and exact_head is None:
+        raise SystemExit("--alternate-head: this model and CPU have no exact LM head")
+    with_head: list[bool] = []
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         if profiler is not None and len(steps) == window.start:
             profiler.start()
+        if args.alternate_head:
+            with_head.append(len(steps) // 2 % 2 == 0)
+            model.exact_head = exact_head if with_head[-1] else None
         steps.append(engine.step().stats)
         if profiler is not None and len(steps) == window.stop:
             profiler.stop(steps[window.start :])
@@ -152,6 +167,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     if full:
         print(f"full decode step median {1000 * full[len(full) // 2]:.1f} ms ({len(full)} steps)")
+    if args.alternate_head:
+        name = type(exact_head).__name__
+        for label, on in ((name, True), ("float32 head", False)):
+            times = sorted(
+                s.duration_s
+                for s, h in zip(steps, with_head, strict=True)
+                if h is on
+                and s.num_prefill_tokens == 0
+                and s.num_decode_tokens == args.max_num_seqs
+            )
+            if times:
+                median = 1000 * times[len(times) // 2]
+                print(f"  {label}: full decode step median {median:.1f} ms ({len(times)} steps)")
 
 
 if __name__ == "__main__":

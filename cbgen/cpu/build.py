@@ -43,6 +43,7 @@ _SRCS = {
     # finite math lets the bound's max reductions vectorise; the source checks the logits',
     # the hidden state's and the bounds' exponent bits for inf/NaN itself
     _CSRC / "bf16_head.c": ("-ffp-contract=fast", "-ffinite-math-only"),
+    _CSRC / "int16_head.c": ("-ffp-contract=fast", "-ffinite-math-only"),
     _CSRC / "small_gemm.c": ("-ffp-contract=fast",),
     _CSRC / "prefill_attention.c": ("-ffp-contract=fast",),
     _CSRC / "fused_ops.c": ("-ffp-contract=off",),
@@ -51,7 +52,7 @@ _SRCS = {
     # temperature sampling: divides by the temperature as torch does (no reciprocal)
     _CSRC / "sample.c": ("-ffp-contract=off", "-fno-reciprocal-math"),
 }
-_HEADERS = [_CSRC / "vexp.h", _CSRC / "cdf.h"]
+_HEADERS = [_CSRC / "vexp.h", _CSRC / "cdf.h", _CSRC / "head_select.h"]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
 
 # (predefined macro, name shown) of the ISA extensions the kernels' speed depends on
@@ -270,6 +271,33 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cbgen_write_kv_f32.restype = ctypes.c_int
     lib.cbgen_head_bf16.argtypes = [p, i64, i64, p, p, i64, p, p, p, *[f32] * 4, p, p, i64, p]
     lib.cbgen_head_bf16.restype = i64
+    lib.cbgen_head_i16_available.argtypes = []
+    lib.cbgen_head_i16_available.restype = i64
+    lib.cbgen_head_i16_preferred.argtypes = []
+    lib.cbgen_head_i16_preferred.restype = i64
+    lib.cbgen_head_i16_levels.argtypes = [i64]
+    lib.cbgen_head_i16_levels.restype = i64
+    lib.cbgen_head_i16_pack.argtypes = [p, i64, i64, i64, p, p, p]
+    lib.cbgen_head_i16_pack.restype = ctypes.c_int
+    lib.cbgen_head_i16.argtypes = [
+        p,
+        i64,
+        i64,
+        p,
+        p,
+        i64,
+        i64,
+        p,
+        p,
+        p,
+        *[f32] * 4,
+        p,
+        p,
+        i64,
+        p,
+        p,
+    ]
+    lib.cbgen_head_i16.restype = i64
     lib.cbgen_pack_panels_f32.argtypes = [p, i64, i64, p]
     lib.cbgen_pack_panels_f32.restype = None
     lib.cbgen_small_gemm_f32.argtypes = [p, i64, i64, p, i64, p, p]

@@ -5,7 +5,9 @@ for where small_gemm stops beating oneDNN's packed matmul (small_gemm.c MAX_ROWS
 crossover falls also depends on the cache sizes, the memory bandwidth and oneDNN's own kernels
 for the CPU, which one ISA covers many of. So at first use, in the same cache as the build and
 under the same key, a short pass times both paths on a layer-sized weight and keeps the largest
-row count up to which small_gemm is not slower; later processes read it back.
+row count up to which small_gemm is not slower; later processes read it back. Where the build
+has the int16 LM head and the CPU no bf16 dot products, the same pass times the int16 head
+against the float32 one (small_gemm and argmax) and keeps the faster.
 
 CBGEN_CPU_TUNING=off keeps the build's defaults (what the tests use, so a noisy machine cannot
 change which path a test takes).
@@ -19,17 +21,23 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from cbgen.cpu import build, kernels
-from cbgen.cpu.linear import onednn_packing_available, pack_weight, packed_linear
+from cbgen.cpu.linear import (
+    Int16Head,
+    bf16_matmul_fast,
+    onednn_packing_available,
+    pack_weight,
+    packed_linear,
+)
 
 logger = logging.getLogger("cbgen")
 
-VERSION = 1
+VERSION = 2
 """Bumped when what is measured changes: an older file is measured again."""
 
 ROWS: tuple[int, ...] = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
@@ -51,14 +59,24 @@ noise would be kept for good): the build's default serves this process and a lat
 measures."""
 
 
+HEAD_SHAPE = (16384, 576)
+"""[V, K] of the LM head timed (a third of SmolLM2's: 36 MiB of float32 panels)."""
+
+HEAD_ROWS = 64
+"""Rows of the head's batch timed: a full decode batch, where the head costs most."""
+
+
 @dataclass(frozen=True)
 class Tuning:
     small_gemm_max_rows: int
     source: str
     """'measured' (this machine, now or earlier), 'build default' or why it is the default."""
+    int16_head: bool = False
+    """The LM head takes int16 logits (linear.Int16Head) where the CPU has no bf16 dot products."""
 
     def describe(self) -> str:
-        return f"small_gemm up to {self.small_gemm_max_rows} rows ({self.source})"
+        head = ", int16 LM head" if self.int16_head else ""
+        return f"small_gemm up to {self.small_gemm_max_rows} rows{head} ({self.source})"
 
 
 def crossover(
@@ -124,6 +142,28 @@ def measure(reps: int = 5) -> tuple[list[float], list[float]] | None:
     return native, onednn
 
 
+def measure_head(reps: int = 5) -> tuple[float, float]:
+    """Seconds of a greedy LM head over HEAD_ROWS rows: the float32 one (small_gemm, argmax)
+    and the int16 one, taken in turns."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(HEAD_SHAPE, generator=gen) * 0.05
+    hidden = torch.randn(HEAD_ROWS, HEAD_SHAPE[1], generator=gen)
+    panels = kernels.pack_panels(weight)
+    head = Int16Head(weight)
+    zeros = torch.zeros(HEAD_ROWS)
+    seeds = torch.zeros(HEAD_ROWS, dtype=torch.int64)
+    assert panels is not None
+
+    def float32_head() -> None:
+        kernels.small_gemm(hidden, panels, None).argmax(-1)
+
+    def int16_head() -> None:
+        head(hidden, zeros, seeds)
+
+    float32_s, int16_s = _best_times([float32_head, int16_head], reps)
+    return float32_s, int16_s
+
+
 def _cpu_times() -> tuple[int, int] | None:
     """(busy, total) clock ticks of all CPUs since boot (/proc/stat), None where unreadable."""
     try:
@@ -166,14 +206,21 @@ def read(path: Path) -> Tuning | None:
         if data.get("version") != VERSION:
             return None
         rows = data["small_gemm_max_rows"]
-        if type(rows) is not int or rows < 0:
+        int16_head = data["int16_head"]
+        if type(rows) is not int or rows < 0 or type(int16_head) is not bool:
             return None
     except (OSError, ValueError, KeyError, AttributeError):
         return None
-    return Tuning(rows, "measured")
+    return Tuning(rows, "measured", int16_head)
 
 
-def write(path: Path, tuning: Tuning, native_s: Sequence[float], onednn_s: Sequence[float]) -> None:
+def write(
+    path: Path,
+    tuning: Tuning,
+    native_s: Sequence[float],
+    onednn_s: Sequence[float],
+    head_s: tuple[float, float] | None = None,
+) -> None:
     """Atomically, with the timings it came from (for whoever wonders why)."""
     data = {
         "version": VERSION,
@@ -183,6 +230,9 @@ def write(path: Path, tuning: Tuning, native_s: Sequence[float], onednn_s: Seque
         "small_gemm_s": [round(t, 7) for t in native_s],
         "onednn_s": [round(t, 7) for t in onednn_s],
     }
+    if head_s is not None:
+        data["head_shape"] = [HEAD_ROWS, *HEAD_SHAPE]
+        data["float32_head_s"], data["int16_head_s"] = (round(t, 7) for t in head_s)
     tmp = path.with_name(f"{path.name}.{os.getpid()}")
     try:
         tmp.write_text(json.dumps(data, indent=1) + "\n")
@@ -193,21 +243,27 @@ def write(path: Path, tuning: Tuning, native_s: Sequence[float], onednn_s: Seque
             tmp.unlink()
 
 
-def tune(library: Path, default: int) -> Tuning:
-    """The tuning for the build at `library`: read back, or measured now and kept."""
+def tune(library: Path, default: int, int16_head: bool | None = None) -> Tuning:
+    """The tuning for the build at `library`: read back, or measured now and kept.
+    int16_head: the build's default for the head, None where the int16 head is not a choice
+    (not in the build, or the CPU has bf16 dot products)."""
     path = tuning_path(library)
     found = read(path)
     if found is not None:
-        return found
+        return found if int16_head is not None else replace(found, int16_head=False)
+    head = bool(int16_head)
     load = _load_per_cpu()
     if load > BUSY_LOAD:
-        return Tuning(default, f"build default: machine busy ({load:.0%} of the CPUs)")
+        return Tuning(default, f"build default: machine busy ({load:.0%} of the CPUs)", head)
     timings = measure()
     if timings is None:
-        return Tuning(default, "build default: oneDNN packing unavailable")
+        return Tuning(default, "build default: oneDNN packing unavailable", head)
     native_s, onednn_s = timings
-    tuning = Tuning(crossover(ROWS, native_s, onednn_s), "measured")
-    write(path, tuning, native_s, onednn_s)
+    head_s = measure_head() if int16_head is not None else None
+    if head_s is not None:
+        head = head_s[1] < head_s[0]
+    tuning = Tuning(crossover(ROWS, native_s, onednn_s), "measured", head)
+    write(path, tuning, native_s, onednn_s, head_s)
     logger.info("CPU tuning: %s, kept in %s", tuning.describe(), path)
     return tuning
 
@@ -217,17 +273,21 @@ _applied: list[Tuning] = []
 
 def apply() -> Tuning | None:
     """Tune this process's kernels (once; None without them): the measured threshold goes to
-    kernels.small_gemm_max_rows, which every CPU linear layer asks."""
+    kernels.small_gemm_max_rows, which every CPU linear layer asks; the loader reads the head's
+    choice from applied()."""
     if _applied:
         return _applied[0]
     b = build.native_build()
     if b.library is None or b.path is None:
         return None
     default = int(b.library.cbgen_small_gemm_max_rows())
+    head: bool | None = None
+    if kernels.head_i16_available() and not bf16_matmul_fast():
+        head = bool(b.library.cbgen_head_i16_preferred())
     if os.environ.get("CBGEN_CPU_TUNING", "").lower() in ("off", "0", "no", "false"):
-        tuning = Tuning(default, "build default: CBGEN_CPU_TUNING=off")
+        tuning = Tuning(default, "build default: CBGEN_CPU_TUNING=off", bool(head))
     else:
-        tuning = tune(b.path, default)
+        tuning = tune(b.path, default, head)
     kernels.set_small_gemm_max_rows(tuning.small_gemm_max_rows)
     _applied.append(tuning)
     return tuning

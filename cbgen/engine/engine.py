@@ -283,10 +283,14 @@ class Engine:
             f"tokens = {tokens} tokens ({self.num_blocks * self.kv_bytes_per_block / GiB:.2f} GiB), "
             f"room for {tokens // self.max_model_len}+ sequences at max_model_len {self.max_model_len}"
         ) + (
-            f"; {cpu_info().describe()}; {self._native_line()}"
+            f"; {cpu_info().describe()}; {self._native_line()}; LM head {self._head_line()}"
             if self.device.type == "cpu"
             else f"; decode steps: {self._graphs_line()}"
         )
+
+    def _head_line(self) -> str:
+        head = self.model.exact_head
+        return "float32" if head is None else head.DESCRIPTION
 
     def _graphs_line(self) -> str:
         graphs = self.runner.graphs

@@ -415,13 +415,13 @@ class ModelRunner:
     def _sample(
         self, hidden: torch.Tensor, rows: list[SamplingRow]
     ) -> tuple[list[int], list[PositionLogprobs | None]]:
-        """One token per row, and its logprobs for the rows that ask. Rows the bf16 head
-        answers exactly (plain greedy, plain temperature sampling, no logprobs, no logit_bias /
+        """One token per row, and its logprobs for the rows that ask. Rows the exact head (bf16
+        or int16 logits) answers exactly (plain greedy, plain temperature sampling, no logprobs, no logit_bias /
         allowed_token_ids / bad_words: the head makes no float32 logits) go through it; the
         others, and any row it hands back, through the float32 logits and the sampler. The path depends on the row alone, so a seeded request
         draws the same tokens whatever shares its batch. With device draws only plain greedy
         rows take the head (its sampled rows would draw on the host)."""
-        head = self.model.bf16_head
+        head = self.model.exact_head
         tokens = [-1] * len(rows)
         logprobs: list[PositionLogprobs | None] = [None] * len(rows)
         if head is not None:

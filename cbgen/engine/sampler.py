@@ -1,9 +1,9 @@
 """Batched sampling: grammar masks (structured outputs), logit_bias / allowed_token_ids /
 bad_words, penalties, min_tokens, greedy, temperature / top-k / top-p / min-p.
 
-One call per step for the requests that sample from float32 logits (on a CPU with native
-bf16 matmuls, plain greedy and plain temperature rows take the exact bf16 LM head instead,
-cbgen.cpu.linear.Bf16Head, and come here only if it hands them back). Each random row draws one uniform number
+One call per step for the requests that sample from float32 logits (on the CPU, plain greedy
+and plain temperature rows take an exact LM head from bf16 or int16 logits instead,
+cbgen.cpu.linear.ExactHead, and come here only if it hands them back). Each random row draws one uniform number
 from its request's own generator and takes the token where the cumulative distribution passes
 it (inverse CDF), so a seeded request gives the same tokens alone or
 inside any batch, at the cost of one draw per row rather than one per vocabulary entry. On the

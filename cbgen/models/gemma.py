@@ -20,7 +20,7 @@ from typing import cast
 import torch
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
-from cbgen.cpu.linear import Bf16Head
+from cbgen.cpu.linear import ExactHead
 from cbgen.models.config import ModelConfig
 from cbgen.models.llama import MLP, CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
 from cbgen.models.ops import Ops
@@ -66,14 +66,14 @@ class GemmaForCausalLM(CausalLM):
         return cast(Sequence[GemmaDecoderLayer], self.layers)
 
     @property  # type: ignore[override]
-    def bf16_head(self) -> Bf16Head | None:
-        """The bf16 head picks tokens from logits it never writes out, so it cannot soft-cap
+    def exact_head(self) -> ExactHead | None:
+        """The exact head picks tokens from logits it never writes out, so it cannot soft-cap
         them (and a draw from capped logits differs): with final soft-capping there is none."""
-        return self._bf16_head
+        return self._exact_head
 
-    @bf16_head.setter
-    def bf16_head(self, head: Bf16Head | None) -> None:
-        self._bf16_head = None if self.config.final_logit_softcap is not None else head
+    @exact_head.setter
+    def exact_head(self, head: ExactHead | None) -> None:
+        self._exact_head = None if self.config.final_logit_softcap is not None else head
 
     def embed_scale(self, dtype: torch.dtype) -> float:
         """sqrt(hidden) as the reference multiplies by it: a float32 tensor cast to the

@@ -16,7 +16,7 @@ from torch import nn
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.cpu import kernels
-from cbgen.cpu.linear import Bf16Head, linear, pack_weight
+from cbgen.cpu.linear import ExactHead, linear, pack_weight
 from cbgen.models.config import ModelConfig
 from cbgen.models.ops import TORCH_OPS, Ops, RopeKvOps, rms_norm
 
@@ -222,8 +222,9 @@ class CausalLM(nn.Module):
         """The element-wise ops; the loader gives the CPU's C kernels where they serve."""
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_panels: torch.Tensor | None = None
-        self.bf16_head: Bf16Head | None = None
-        """Set by the loader where bf16 matmuls are native (CPU, float32 model)."""
+        self.exact_head: ExactHead | None = None
+        """Set by the loader on the CPU for a float32 model: bf16 logits where bf16 matmuls are
+        native, int16 logits where the tuning measured them faster (AVX2)."""
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:

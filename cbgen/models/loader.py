@@ -34,6 +34,7 @@ from cbgen.cpu import tuning
 from cbgen.cpu.kernels import fused_ops_available
 from cbgen.cpu.linear import (
     Bf16Head,
+    Int16Head,
     bf16_matmul_fast,
     onednn_packing_available,
     store_weights_in,
@@ -429,8 +430,11 @@ def load_model(
         if model.head_weight.dtype != dtype:
             return model  # weights kept in a half dtype: no packed float32 copies of them
         model.pack_linear_weights(onednn=onednn_packing_available(), panels=native)
+        tuned = tuning.applied()
         if native and bf16_matmul_fast():
-            model.bf16_head = Bf16Head(model.head_weight.data)
+            model.exact_head = Bf16Head(model.head_weight.data)
+        elif native and tuned is not None and tuned.int16_head:
+            model.exact_head = Int16Head(model.head_weight.data)
     return model
 
 

@@ -1,6 +1,7 @@
-"""The bf16 LM head: bfloat16 logits with a proven error bound, float32 recomputes of a few
-tokens. Greedy rows must get the argmax of the float32 head every time; sampled rows a draw
-from the float32 softmax (by rejection), depending only on the row and its seed."""
+"""The exact LM heads: cheap logits (bfloat16 through oneDNN, int16 through the C kernel) with a
+proven error bound, float32 recomputes of a few tokens. Greedy rows must get the argmax of the
+float32 head every time; sampled rows a draw from the float32 softmax (by rejection), depending
+only on the row and its seed."""
 
 from __future__ import annotations
 
@@ -12,31 +13,53 @@ import pytest
 import torch
 
 from cbgen.cpu import kernels
-from cbgen.cpu.linear import Bf16Head, bf16_matmul_fast, bf16_matmul_supported
+from cbgen.cpu.linear import Bf16Head, ExactHead, Int16Head, bf16_matmul_supported
 
-pytestmark = pytest.mark.skipif(
-    kernels.load_library() is None or not bf16_matmul_supported(),
-    reason="no C compiler or no oneDNN bf16",
-)
+pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
+
+HEADS = [
+    pytest.param(
+        Bf16Head,
+        marks=pytest.mark.skipif(not bf16_matmul_supported(), reason="no oneDNN bf16"),
+        id="bf16",
+    ),
+    pytest.param(
+        Int16Head,
+        marks=pytest.mark.skipif(
+            kernels.load_library() is None or not kernels.head_i16_available(),
+            reason="no int16 head in this build (x86-64 with AVX2)",
+        ),
+        id="int16",
+    ),
+]
+
+
+@pytest.fixture(params=HEADS)
+def make_head(request: pytest.FixtureRequest) -> type[ExactHead]:
+    cls: type[ExactHead] = request.param
+    return cls
 
 
 def exact_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hidden.double() @ weight.double().T).argmax(-1)
 
 
-def greedy(head: Bf16Head, hidden: torch.Tensor) -> torch.Tensor:
+def greedy(head: ExactHead, hidden: torch.Tensor) -> torch.Tensor:
     m = hidden.shape[0]
     return head(hidden, torch.zeros(m), torch.zeros(m, dtype=torch.int64))
 
 
-def test_picks_the_exact_argmax_even_where_bfloat16_cannot_tell_the_tokens_apart() -> None:
+def test_picks_the_exact_argmax_even_where_the_cheap_logits_cannot_tell_the_tokens_apart(
+    make_head: type[ExactHead],
+) -> None:
     torch.manual_seed(0)
     vocab, dim, rows = 5000, 96, 64
     weight = torch.randn(vocab, dim) * 0.05
     hidden = torch.randn(rows, dim) * 3
     # near-ties: for each row, copies of its best token moved by noise far above a bf16 ulp
-    # but orthogonal to the row's hidden state, plus a float32-visible nudge along it (some
-    # up, some down): bf16 orders these tokens at random, only the recompute gets them right
+    # and an int16 step but orthogonal to the row's hidden state, plus a float32-visible nudge
+    # along it (some up, some down): the cheap logits order these tokens at random, only the
+    # recompute gets them right
     best = exact_argmax(hidden, weight)
     for r in range(0, rows, 2):
         h = hidden[r] / hidden[r].norm()
@@ -45,7 +68,7 @@ def test_picks_the_exact_argmax_even_where_bfloat16_cannot_tell_the_tokens_apart
             noise = torch.randn(dim) * 2e-3
             noise -= (noise @ h) * h
             weight[target] = weight[best[r]] + noise + sign * (j + 1) * 1e-4 * h / hidden[r].norm()
-    head = Bf16Head(weight)
+    head = make_head(weight)
     got = greedy(head, hidden)
     want = exact_argmax(hidden, weight)
     assert torch.equal(got, want)
@@ -53,15 +76,17 @@ def test_picks_the_exact_argmax_even_where_bfloat16_cannot_tell_the_tokens_apart
     assert 1 <= head.last_candidates < vocab // 10  # the bound is tight enough to pay
 
 
-def test_ties_go_to_the_first_token_as_in_argmax() -> None:
+def test_ties_go_to_the_first_token_as_in_argmax(make_head: type[ExactHead]) -> None:
     torch.manual_seed(1)
     weight = torch.randn(300, 32)
     weight[200] = weight[7] = weight[100] * 4  # three identical, largest rows
     hidden = weight[100:101].clone()
-    assert greedy(Bf16Head(weight), hidden).tolist() == [7]
+    assert greedy(make_head(weight), hidden).tolist() == [7]
 
 
-def skewed_head(vocab: int = 40, dim: int = 64) -> tuple[Bf16Head, torch.Tensor, torch.Tensor]:
+def skewed_head(
+    make_head: type[ExactHead], vocab: int = 40, dim: int = 64
+) -> tuple[ExactHead, torch.Tensor, torch.Tensor]:
     """A head whose logits for one hidden state h are evenly spread over [0, 2], every other
     token's weight carrying a large component orthogonal to h: its logit is unchanged but its
     error bound is ~20x the others'. A proposal from the bounds alone (no rejection step) would
@@ -74,15 +99,15 @@ def skewed_head(vocab: int = 40, dim: int = 64) -> tuple[Bf16Head, torch.Tensor,
     ortho -= (ortho @ h)[:, None] * h / h.norm() ** 2
     ortho *= (torch.tensor([0.1, 10.0]).repeat(vocab // 2) / ortho.norm(dim=1))[:, None]
     weight = logits[:, None] * h / h.norm() ** 2 + ortho
-    return Bf16Head(weight), h, (h.double() @ weight.double().T)
+    return make_head(weight), h, (h.double() @ weight.double().T)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_draws_follow_the_float32_softmax(temperature: float) -> None:
+def test_draws_follow_the_float32_softmax(make_head: type[ExactHead], temperature: float) -> None:
     """20,000 rows with their own seeds: the counts against softmax(exact logits / T), by a
     chi-square over the 40 tokens (39 degrees of freedom: above 80 has probability < 1e-4 if
     the draws are right; without the rejection step the statistic is in the thousands)."""
-    head, h, exact = skewed_head()
+    head, h, exact = skewed_head(make_head)
     n = 20000
     seeds = torch.randint(0, 1 << 62, (n,), generator=torch.Generator().manual_seed(5))
     got = head(h.repeat(n, 1), torch.full((n,), temperature), seeds)
@@ -93,8 +118,8 @@ def test_draws_follow_the_float32_softmax(temperature: float) -> None:
     assert chi2 < 80, chi2
 
 
-def test_a_row_draws_by_its_seed_alone_whatever_the_batch() -> None:
-    head, h, _ = skewed_head()
+def test_a_row_draws_by_its_seed_alone_whatever_the_batch(make_head: type[ExactHead]) -> None:
+    head, h, _ = skewed_head(make_head)
     others = torch.randn(12, h.numel(), generator=torch.Generator().manual_seed(2)) * 10
     seeds = torch.arange(100, 112)
     temp = torch.tensor([1.0, 0.0, 0.7] * 4)
@@ -113,20 +138,20 @@ def test_a_row_draws_by_its_seed_alone_whatever_the_batch() -> None:
     )
 
 
-def test_greedy_and_sampled_rows_in_one_call() -> None:
+def test_greedy_and_sampled_rows_in_one_call(make_head: type[ExactHead]) -> None:
     torch.manual_seed(3)
     weight = torch.randn(3000, 48) * 0.1
     hidden = torch.randn(16, 48) * 5
     temp = torch.tensor([0.0, 1.0] * 8)
-    got = Bf16Head(weight)(hidden, temp, torch.arange(16))
+    got = make_head(weight)(hidden, temp, torch.arange(16))
     assert torch.equal(got[::2], exact_argmax(hidden[::2], weight))
     assert (got[1::2] >= 0).all()
 
 
-def test_rows_it_cannot_answer_come_back_as_minus_one() -> None:
+def test_rows_it_cannot_answer_come_back_as_minus_one(make_head: type[ExactHead]) -> None:
     """A hidden state that is not finite, and a draw rejected MAX_ATTEMPTS times: -1 for that
     row only (the runner sends it through the float32 head)."""
-    head, h, _ = skewed_head()
+    head, h, _ = skewed_head(make_head)
     hidden = h.repeat(3, 1)
     hidden[1, 3] = float("inf")
     got = head(hidden, torch.tensor([1.0, 1.0, 0.0]), torch.arange(3))
@@ -136,13 +161,13 @@ def test_rows_it_cannot_answer_come_back_as_minus_one() -> None:
     assert 0 < int((got == -1).sum()) < 400
 
 
-@pytest.mark.skipif(not bf16_matmul_fast(), reason="bf16 matmuls are emulated on this CPU")
 def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
     tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Plain greedy and plain sampled rows go through the head; a penalised row, a top-p row
-    and a low temperature take the float32 logits, the others still take the head. Greedy
-    tokens are those of an engine without the head."""
+    """Plain greedy and plain sampled rows go through the head the loader chose for this CPU
+    (bf16 with bf16 dot products, int16 on AVX2 by the build's default); a penalised row, a
+    top-p row and a low temperature take the float32 logits, the others still take the head.
+    Greedy tokens are those of an engine without the head."""
     from cbgen.config import SamplingParams
     from cbgen.engine.engine import Engine
 
@@ -154,10 +179,12 @@ def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
             kv_cache_memory=8 << 20,
         )
         model = engine.runner.model
-        head = model.bf16_head
-        assert head is not None
+        head = model.exact_head
+        if head is None:
+            pytest.skip("no exact head on this CPU (no bf16 dot products, no AVX2)")
+        cls = type(head)
         if not with_head:
-            model.bf16_head = None
+            model.exact_head = None
         rows: list[int] = []
         logits_rows = 0
         inner_logits = model.compute_logits
@@ -169,10 +196,9 @@ def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
 
         monkeypatch.setattr(model, "compute_logits", counted_logits)
         if with_head:
+            call = cls.__call__
             monkeypatch.setattr(
-                Bf16Head,
-                "__call__",
-                lambda self, h, *a: rows.append(h.shape[0]) or call(self, h, *a),
+                cls, "__call__", lambda self, h, *a: rows.append(h.shape[0]) or call(self, h, *a)
             )
         plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         for i in range(3):
@@ -195,9 +221,7 @@ def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
                 out[o.request_id] = o.output_token_ids
         return out, rows, logits_rows
 
-    call = Bf16Head.__call__
     with_head, head_rows, logits_rows = run(True)
-    monkeypatch.setattr(Bf16Head, "__call__", call)
     without, _, all_rows = run(False)
     assert sum(head_rows) == 4 * 12  # three greedy rows and the plain sampled one, every step
     assert logits_rows == 3 * 12 and all_rows == 7 * 12  # the penalised, top-p and cold rows
@@ -205,3 +229,71 @@ def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
         k: without[k] for k in ("g0", "g1", "g2", "pen")
     }
     assert all(len(v) == 12 for v in with_head.values())
+
+
+# ---- the int16 head's own: its integers never overflow, its packing pads ------------------
+
+needs_int16 = pytest.mark.skipif(
+    kernels.load_library() is None or not kernels.head_i16_available(),
+    reason="no int16 head in this build (x86-64 with AVX2)",
+)
+
+
+@needs_int16
+@pytest.mark.parametrize("dim", [4096, 20000])
+def test_int16_sums_cannot_overflow_at_the_largest_magnitudes(dim: int) -> None:
+    """Every hidden element and weight at its row's maximum, all of one sign: the worst case for
+    the int32 sums (wrapped, token 0's logit would turn negative and lose). The hidden state's
+    scale leaves |p|_1 W below 2^31 whatever the values."""
+    weight = torch.full((40, dim), 0.01)
+    weight[0] = 1.0  # the largest logit by far
+    weight[1] = -1.0
+    weight[5, : dim // 2] = 1.0  # second: half of token 0's logit
+    hidden = torch.full((4, dim), 7.0)
+    hidden[1] = 1e12  # large: the scale absorbs it
+    hidden[2, 0] = 3e4  # one element far above the rest
+    hidden[3] = 1e30  # logits near 2^100 and more: the float32 head takes the row (-1)
+    head = Int16Head(weight)
+    assert head.packed[3] * dim < 2**31  # W itself leaves room
+    assert greedy(head, hidden).tolist() == [0, 0, 0, -1]
+    assert head.last_candidates == 1
+
+
+@needs_int16
+@pytest.mark.parametrize(
+    ("vocab", "dim", "rows"), [(1, 1, 1), (17, 3, 5), (1000, 97, 9), (333, 64, 64)]
+)
+def test_int16_head_pads_odd_sizes(vocab: int, dim: int, rows: int) -> None:
+    """A vocabulary past a multiple of 16 (the padded tokens must never win, even when every
+    real logit is negative), an odd hidden size and a row count past a multiple of 4."""
+    gen = torch.Generator().manual_seed(vocab)
+    weight = torch.randn(vocab, dim, generator=gen)
+    hidden = torch.randn(rows, dim, generator=gen)
+    hidden[0] = -weight.sum(0)  # pushes every logit of row 0 below zero
+    head = Int16Head(weight)
+    got = greedy(head, hidden)
+    assert torch.equal(got, exact_argmax(hidden, weight))
+    drawn = head(hidden, torch.ones(rows), torch.arange(rows))
+    assert bool(((drawn >= 0) & (drawn < vocab)).all())
+
+
+@needs_int16
+def test_int16_head_refuses_a_weight_that_is_not_finite() -> None:
+    weight = torch.randn(20, 8)
+    weight[3, 2] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        Int16Head(weight)
+
+
+@needs_int16
+def test_int16_residual_norms_bound_the_rounding() -> None:
+    """r_v, the bound's weight term, is at least the real |s_v q_v - w_v| and not far above it."""
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(100, 50, generator=gen) * torch.logspace(-3, 2, 100)[:, None]
+    q, scale, wres, levels = kernels.head_i16_pack(weight)
+    ints = q.permute(0, 2, 1, 3).reshape(-1, q.shape[1] * 2)[:100, :50].double()
+    assert float(ints.abs().max()) == levels
+    residual = (ints * scale[:100, None].double() - weight.double()).norm(dim=1)
+    assert bool((wres[:100].double() >= residual).all())
+    assert bool((wres[:100].double() <= residual * (1 + 1e-5) + 1e-30).all())
+    assert bool((wres[100:] == 0).all())
