@@ -112,6 +112,13 @@ def test_paged_decode_matches_the_torch_reference(
     got = kernels.paged_decode_f32(q, kv, block_table, seq_lens, 0.125)
     assert got is not None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the query as the model hands it over: a slice of each fused QKV row, read in place
+    qkv = torch.randn(batch, (hkv * group + 2 * hkv) * head_dim)
+    qkv[:, : hkv * group * head_dim] = q.reshape(batch, -1)
+    view = qkv[:, : hkv * group * head_dim].view(batch, hkv * group, head_dim)
+    assert view.is_contiguous() == (batch == 1)
+    in_place = kernels.paged_decode_f32(view, kv, block_table, seq_lens, 0.125)
+    assert in_place is not None and torch.equal(in_place, got)
 
 
 def test_paged_decode_refuses_shapes_it_cannot_hold_and_attend_falls_back() -> None:

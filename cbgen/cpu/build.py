@@ -259,7 +259,7 @@ def native_status() -> str:
 def _declare(lib: ctypes.CDLL) -> None:
     """The C signatures, for ctypes to convert the arguments."""
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.cbgen_paged_decode_f32.argtypes = [p, p, p, p, i64, p, *(i64,) * 5, f32, i64, f32, p]
+    lib.cbgen_paged_decode_f32.argtypes = [p, i64, p, p, p, i64, p, *(i64,) * 5, f32, i64, f32, p]
     lib.cbgen_paged_decode_f32.restype = ctypes.c_int
     lib.cbgen_exp_sub_sum_f32.argtypes = [p, i64, f32]
     lib.cbgen_exp_sub_sum_f32.restype = f32

@@ -76,7 +76,8 @@ def paged_decode_f32(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
 ) -> torch.Tensor | None:
-    """Decode attention, one query token per sequence: query [B, H, D] float32 (CPU),
+    """Decode attention, one query token per sequence: query [B, H, D] float32 (CPU; each
+    row's heads packed, rows at any stride: a view of the QKV projection is read in place),
     kv_cache [2, num_blocks, block_size, Hkv, D] contiguous, block_table [B, n] int32,
     seq_lens [B] int32; with a sliding window, sequence b reads only its last sliding_window
     keys (from their first block on), and logit_softcap caps the scores (see
@@ -93,12 +94,13 @@ def paged_decode_f32(
     lib = load_library()
     if lib is None:
         return None
-    q = query.contiguous()
+    q = query if query.stride(2) == 1 and query.stride(1) == d else query.contiguous()
     bt = block_table.contiguous()
     sl = seq_lens.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(b, h, d, dtype=torch.float32)
     rc = lib.cbgen_paged_decode_f32(
         q.data_ptr(),
+        q.stride(0),
         kv_cache[0].data_ptr(),
         kv_cache[1].data_ptr(),
         bt.data_ptr(),

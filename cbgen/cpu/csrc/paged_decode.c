@@ -1,7 +1,9 @@
 /* Paged decode attention for the CPU, float32: one query token per sequence, read straight
  * from the block table (no gathered copy of K/V).
  *
- *   q, out       [B, H, D]                  contiguous
+ *   q            [B, H, D], row b at q + b * q_stride (the heads of a row packed: a slice of
+ *                the fused QKV projection's rows is read in place)
+ *   out          [B, H, D]                  contiguous
  *   k_cache      [num_blocks, bs, Hkv, D]   contiguous (kv_cache[0] of one layer)
  *   v_cache      [num_blocks, bs, Hkv, D]   contiguous (kv_cache[1] of one layer)
  *   block_table  [B, bt_stride] int32; token t of sequence b is at
@@ -234,7 +236,7 @@ static float softcap_scores(float *s, int64_t n, float c, float mx) {
     return c * tanhf(mx * inv);
 }
 
-int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+int cbgen_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                            const int32_t *block_table, int64_t bt_stride,
                            const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv,
                            int64_t D, int64_t bs, float scale, int64_t window, float softcap,
@@ -280,7 +282,7 @@ int cbgen_paged_decode_f32(const float *q, const float *k_cache, const float *v_
             const int64_t end = seq_lens[b], k0 = first_key(end, window), L = end - k0;
             const int64_t j0 = k0 / bs, nblk = (end + bs - 1) / bs - j0;
             const int32_t *bt = block_table + b * bt_stride + j0;
-            const float *qb = q + (b * H + h0 * G) * D;
+            const float *qb = q + b * q_stride + h0 * G * D;
             float m[MAX_HEADS];
             prefetcher pf = {k_cache, v_cache, bt, NULL, nblk, 0, blk_stride, NULL, 0, 0};
             pf.slice = (blk_stride / nh + 15) / 16 * 16; /* a block per pass over the heads */
