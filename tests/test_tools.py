@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cbgen.engine.outputs import StepStats
-from tools import compare_peers, profile_step
+from tools import compare_peers, head_bench, profile_step
 from tools.cbgen_worker import flop_summary
 
 TINY_LLAMA_SMOLLM2_VOCAB = dict(
@@ -61,6 +61,45 @@ def test_profile_step_profiles_the_steps_of_a_tiny_run(capsys: pytest.CaptureFix
     assert "function calls" in out  # cProfile's table
     assert re.search(r"steps 3 prompt \d+ out 6 ", out)
     assert "full decode step median" in out and "(2 steps)" in out
+
+
+def test_head_bench_times_both_heads_and_checks_their_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cbgen.cpu import kernels
+    from cbgen.cpu.linear import bf16_matmul_fast
+
+    if kernels.load_library() is None or not (kernels.head_i16_available() or bf16_matmul_fast()):
+        pytest.skip("no exact LM head on this CPU")
+    head_bench.main(
+        ["--model", "tiny-llama", "--load-format", "dummy", "--batch", "1,5", "--reps", "2",
+         "--max-tokens", "3", "--kv-cache-memory", str(1 << 20)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "5"]
+    assert all(r.rstrip().endswith("|") and "x |" in r for r in rows)
+
+
+def test_profile_step_alternates_the_exact_and_the_float32_head(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cbgen.cpu import kernels
+    from cbgen.cpu.linear import bf16_matmul_fast
+
+    if kernels.load_library() is None or not (kernels.head_i16_available() or bf16_matmul_fast()):
+        pytest.skip("no exact LM head on this CPU")
+    profile_step.main(
+        [
+            "--model", "tiny-llama", "--load-format", "dummy", "--num-threads", "1",
+            "--num", "2", "--prompt", "8", "--output", "9", "--max-num-seqs", "2",
+            "--kv-cache-memory", str(1 << 20), "--alternate-head",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    # steps 0-1 with the head, 2-3 without, ...: of the 8 full decode steps (1-8), 4 each
+    assert re.search(r"Head: full decode step median [\d.]+ ms \(4 steps\)", out), out
+    assert re.search(r"float32 head: full decode step median [\d.]+ ms \(4 steps\)", out), out
 
 
 def test_profile_step_rejects_two_profilers() -> None:
