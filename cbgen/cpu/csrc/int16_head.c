@@ -241,7 +241,7 @@ int64_t cbgen_head_i16(const float *hidden, int64_t M, int64_t K, const int16_t 
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r) {
-            double nh, nd;
+            double nh = 0.0, nd = 0.0;
             bad[r] = quantize_row(hidden + r * K, K, W, (int16_t *)(x + r * K2), &rt[r].sh, &nh, &nd);
             /* x_v is at most 2^31 s_h s_v: finite, with room for the bound, or the row is not
              * answered here */
