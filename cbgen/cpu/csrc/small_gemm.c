@@ -59,7 +59,7 @@ void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp) {
     static void kern_##MR(const float *x, int64_t K, const float *panel, const float *bias,  \
                           float *y, int64_t ldy, const float *pf) {                           \
         vec a0[MR], a1[MR];                                                                   \
-        for (int r = 0; r < MR; ++r) {                                                        \
+        _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r) {                               \
             a0[r] = (vec){0};                                                                 \
             a1[r] = (vec){0};                                                                 \
         }                                                                                     \
@@ -78,12 +78,12 @@ void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp) {
         }                                                                                     \
         if (bias) {                                                                           \
             const vec c0 = *(const vecu *)bias, c1 = *(const vecu *)(bias + VW);              \
-            for (int r = 0; r < MR; ++r) {                                                    \
+            _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r) {                           \
                 a0[r] += c0;                                                                  \
                 a1[r] += c1;                                                                  \
             }                                                                                 \
         }                                                                                     \
-        for (int r = 0; r < MR; ++r) {                                                        \
+        _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r) {                               \
             *(vecu *)(y + r * ldy) = a0[r];                                                   \
             *(vecu *)(y + r * ldy + VW) = a1[r];                                              \
         }                                                                                     \
