@@ -23,8 +23,10 @@
  * two panel vectors and a broadcast fill 15 of the 16 registers (the shape of the AVX2 kernels of
  * BLIS and oneDNN). A row tile runs over both halves of a panel while its rows are in L1. Measured
  * in docs/PERFORMANCE.md, "AVX2 (Zen 3)". The vector width and the tile are chosen by the ISA
- * macros at compile time; the panels are the same on every ISA, and the AVX-512 kernels compile
- * to the same machine code as before the AVX2 tile existed.
+ * macros at compile time; the panels are the same on every ISA, and the AVX-512 kernels' main
+ * loops compile to the same machine code as before the AVX2 tile existed. The zeroing, bias and
+ * store loops are unrolled like the main loop: otherwise GCC zeroes the accumulator arrays on the
+ * stack with memset and loads them, per call.
  *
  * Each output is one sum over k in order, whatever M is: a row's result does not depend on the
  * other rows in the batch, nor on the ISA (the panels and the order of the FMAs are the same).
