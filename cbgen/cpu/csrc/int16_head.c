@@ -4,9 +4,10 @@
  * products.
  *
  * There the float32 head runs at the FMA rate, 8 multiply-adds per instruction. vpmaddwd
- * multiplies 16 pairs of int16 and adds them pairwise into 8 int32, at the same two per cycle,
- * so integer logits cost about half as much (measured: docs/PERFORMANCE.md), and the head's
- * int16 copy is half the float32 one to stream from memory.
+ * multiplies 16 pairs of int16 and adds them pairwise into 8 int32, at the same two per cycle
+ * (plus an integer add), and the head's int16 copy is half the float32 one to stream from
+ * memory: on an AVX2 EPYC the head with its selection measured 1.2-1.5x faster than the float32
+ * head and its argmax at 8-64 rows (docs/PERFORMANCE.md).
  *
  * Each row of the head is scaled to integers of at most W in magnitude (W from the hidden size,
  * cbgen_head_i16_levels), w^_v = s_v q_v, and each hidden state likewise, h^ = s_h p, with s_h
@@ -20,7 +21,7 @@
  * = q_{16 p + j, k} (zeros past V and past an odd K), so one k-pair of a panel is one 64-byte
  * line; a register tile of 4 hidden rows x 16 tokens takes 4 broadcasts of a row's k-pair, 8
  * vpmaddwd and 8 vpaddd per k-pair. The tile's loop is written in inline assembly: GCC 12
- * otherwise copies every accumulator once per step (vmovdqa), which costs a third of the rate.
+ * otherwise copies every accumulator once per step (vmovdqa), measured ~25 % slower.
  * Threads split the panels; then each row's token is picked (head_row).
  */
 #include <math.h>
@@ -43,9 +44,10 @@
 
 int64_t cbgen_head_i16_available(void) { return HEAD_I16; }
 
-/* The build's default before the tuning pass has measured (cbgen.cpu.tuning): with AVX-512 the
- * float32 head's 16-float FMAs match this 8-lane kernel's rate, without it the int16 head
- * measured 1.4-1.6x faster (docs/PERFORMANCE.md). */
+/* The build's default before the tuning pass has measured (cbgen.cpu.tuning). With AVX-512 the
+ * float32 head's FMAs take 16 floats, as many multiply-adds an instruction as this 8-lane
+ * kernel's vpmaddwd, so the build does not presume (not measured: the tuning pass decides);
+ * without it the int16 head measured 1.2-1.5x faster at 8-64 rows (docs/PERFORMANCE.md). */
 int64_t cbgen_head_i16_preferred(void) {
 #if HEAD_I16 && !defined(__AVX512F__)
     return 1;
