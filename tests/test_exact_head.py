@@ -278,6 +278,26 @@ def test_int16_head_pads_odd_sizes(vocab: int, dim: int, rows: int) -> None:
 
 
 @needs_int16
+def test_int16_head_refuses_inputs_that_do_not_match_its_packing() -> None:
+    """The integer range is what keeps the int32 sums exact: a packing with another W, or one of
+    another weight, is refused before C sees it."""
+    gen = torch.Generator().manual_seed(6)
+    weight, hidden = torch.randn(40, 24, generator=gen), torch.randn(3, 24, generator=gen)
+    head = Int16Head(weight)
+    q, scale, wres, levels = head.packed
+    args = (head.weight, head.padded_norms, head.bound, torch.zeros(3), torch.zeros(3), 1)
+    scratch = torch.empty(kernels.head_i16_scratch(3, 40))
+    with pytest.raises(ValueError, match="levels"):
+        kernels.head_i16(hidden, (q, scale, wres, levels * 2 + 1), *args, scratch)
+    with pytest.raises(ValueError, match="not the packing"):
+        kernels.head_i16(hidden, Int16Head(torch.randn(60, 24)).packed, *args, scratch)
+    with pytest.raises(ValueError, match="scratch"):
+        kernels.head_i16(hidden, head.packed, *args, scratch[:10])
+    got, _ = kernels.head_i16(hidden, head.packed, *args, scratch)
+    assert torch.equal(got, exact_argmax(hidden, weight))
+
+
+@needs_int16
 def test_int16_head_refuses_a_weight_that_is_not_finite() -> None:
     weight = torch.randn(20, 8)
     weight[3, 2] = float("nan")

@@ -353,6 +353,11 @@ def head_i16(
     _check("weight_norms", weight_norms, torch.float32, (p * HEAD_I16_PANEL,))
     _check("hidden", hidden, torch.float32, ("M", k))
     m = hidden.shape[0]
+    lib = _library()
+    if levels != lib.cbgen_head_i16_levels(
+        k
+    ):  # the hidden state's scale keeps sums below 2^31 for it
+        raise ValueError(f"levels: {levels} is not what head_i16_pack packs a hidden size {k} with")
     _check("scratch", scratch, torch.float32)
     _check_contiguous("scratch", scratch)
     if scratch.numel() < head_i16_scratch(m, v):
@@ -361,7 +366,6 @@ def head_i16(
     seed = seeds.to(torch.int64).contiguous()
     _check("temperature", temp, torch.float32, (m,))
     _check("seeds", seed, torch.int64, (m,))
-    lib = _library()
     h, w = hidden.contiguous(), weight.contiguous()
     for t in (scale, wres, weight_norms):
         _check_contiguous("scale, wres and weight_norms", t)
