@@ -63,14 +63,22 @@ def test_profile_step_profiles_the_steps_of_a_tiny_run(capsys: pytest.CaptureFix
     assert "full decode step median" in out and "(2 steps)" in out
 
 
-def test_head_bench_times_both_heads_and_checks_their_tokens(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def _exact_head_here() -> bool:
     from cbgen.cpu import kernels
     from cbgen.cpu.linear import bf16_matmul_fast
 
-    if kernels.load_library() is None or not (kernels.head_i16_available() or bf16_matmul_fast()):
-        pytest.skip("no exact LM head on this CPU")
+    return kernels.load_library() is not None and (
+        kernels.head_i16_available() or bf16_matmul_fast()
+    )
+
+
+needs_exact_head = pytest.mark.skipif(not _exact_head_here(), reason="no exact LM head on this CPU")
+
+
+@needs_exact_head
+def test_head_bench_times_both_heads_and_checks_their_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     head_bench.main(
         ["--model", "tiny-llama", "--load-format", "dummy", "--batch", "1,5", "--reps", "2",
          "--max-tokens", "3", "--kv-cache-memory", str(1 << 20)]
@@ -81,14 +89,10 @@ def test_head_bench_times_both_heads_and_checks_their_tokens(
     assert all(r.rstrip().endswith("|") and "x |" in r for r in rows)
 
 
+@needs_exact_head
 def test_profile_step_alternates_the_exact_and_the_float32_head(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from cbgen.cpu import kernels
-    from cbgen.cpu.linear import bf16_matmul_fast
-
-    if kernels.load_library() is None or not (kernels.head_i16_available() or bf16_matmul_fast()):
-        pytest.skip("no exact LM head on this CPU")
     profile_step.main(
         [
             "--model", "tiny-llama", "--load-format", "dummy", "--num-threads", "1",

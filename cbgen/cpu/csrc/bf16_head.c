@@ -31,10 +31,15 @@ static inline float bf16_to_f32(uint16_t x) {
     return c.f;
 }
 
-/* head_select.h's upper_bounds_fn for a row of bfloat16 logits */
-static int upper_bounds(const void *logits, int64_t V, const bound_t *e, float *up, float *max_out,
+static inline float bound(const bound_t *e, int64_t v, float x) {
+    return e->A * e->wres[v] + e->B * e->wnorm[v] + e->b * fabsf(x) + e->c;
+}
+
+/* A row's upper bounds U_v = x_v + E_v into up[V], their maximum and lo = max_v (x_v - E_v);
+ * -1 when a logit or a bound is not finite (every U_v is finite if the largest is: x_v is finite
+ * and E_v >= 0). */
+static int upper_bounds(const uint16_t *l, int64_t V, const bound_t *e, float *up, float *max_out,
                         float *lo_out) {
-    const uint16_t *l = logits;
     v16 vm = (v16){0} - FLT_MAX, vlo = vm;
     i16v bad = (i16v){0};
     const v16 A = (v16){0} + e->A, B = (v16){0} + e->B, b = (v16){0} + e->b, c = (v16){0} + e->c;
@@ -58,7 +63,14 @@ static int upper_bounds(const void *logits, int64_t V, const bound_t *e, float *
         m = up[v] > m ? up[v] : m;
         lo = 2.0f * x - up[v] > lo ? 2.0f * x - up[v] : lo;
     }
-    return bounds_done(vm, vlo, bad, m, lo, nonfinite, max_out, lo_out);
+    for (int k = 0; k < 16; ++k) {
+        m = vm[k] > m ? vm[k] : m;
+        lo = vlo[k] > lo ? vlo[k] : lo;
+        nonfinite |= bad[k] != 0;
+    }
+    *max_out = m;
+    *lo_out = lo;
+    return nonfinite || bits_nonfinite(m) ? -1 : 0;
 }
 
 int64_t cbgen_head_bf16(const uint16_t *logits, int64_t M, int64_t V, const float *hidden,
@@ -86,9 +98,11 @@ int64_t cbgen_head_bf16(const uint16_t *logits, int64_t M, int64_t V, const floa
             }
             if (nonfinite) continue;
             const double nh = sqrt(hh) * (1.0 + 1e-6), nd = sqrt(dd) * (1.0 + 1e-6);
+            const bound_t e = row_bound(&H, nh, nd);
+            float m, lo;
+            if (upper_bounds(logits + r * V, V, &e, up, &m, &lo) != 0) continue;
             int64_t n;
-            out[r] = head_row(&H, upper_bounds, logits + r * V, h, nh, nd, temperature[r], seed[r],
-                              max_attempts, up, &n);
+            out[r] = pick_row(&H, up, m, lo, NULL, h, temperature[r], seed[r], max_attempts, &n);
             most = n > most ? n : most;
         }
         free(up);

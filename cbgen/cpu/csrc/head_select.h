@@ -31,10 +31,10 @@
  *   uniforms from a splitmix64 stream started at the row's seed, so the draw depends only on
  *   the row and its seed, never on the batch; an attempt costs one token's recompute.
  *
- * The file including this one writes the pass that turns a row of its logits into the upper
- * bounds U_v (an upper_bounds_fn) and computes |h^| and |h^ - h|; head_row does the rest. It is
- * built with finite math (the bound's max reductions vectorise), so every inf/NaN check looks at
- * exponent bits.
+ * The file including this one computes |h^| and |h^ - h| (row_bound turns them into A and B)
+ * and each row's upper bounds U_v with their maximum and max (x_v - E_v); pick_row does the
+ * rest. It is built with finite math (the bound's max reductions vectorise), so every inf/NaN
+ * check looks at exponent bits.
  */
 #ifndef CBGEN_HEAD_SELECT_H
 #define CBGEN_HEAD_SELECT_H
@@ -63,35 +63,12 @@ typedef struct {
     float A, B, b, c;
 } bound_t;
 
-static inline float bound(const bound_t *e, int64_t v, float x) {
-    return e->A * e->wres[v] + e->B * e->wnorm[v] + e->b * fabsf(x) + e->c;
-}
-
 static inline int bits_nonfinite(float x) {
     union {
         float f;
         uint32_t u;
     } c = {.f = x};
     return (c.u & 0x7F800000u) == 0x7F800000u;
-}
-
-/* A row's upper bounds U_v = x_v + E_v into up[V], their maximum, and lo = max_v (x_v - E_v);
- * -1 when a logit or a bound is not finite. */
-typedef int (*upper_bounds_fn)(const void *logits, int64_t V, const bound_t *e, float *up,
-                               float *max_out, float *lo_out);
-
-/* the maxima of an upper-bounds pass: every U_v is finite if the largest is (x_v is finite
- * and E_v >= 0) */
-static inline int bounds_done(v16 vm, v16 vlo, i16v bad, float m, float lo, int nonfinite,
-                              float *max_out, float *lo_out) {
-    for (int k = 0; k < 16; ++k) {
-        m = vm[k] > m ? vm[k] : m;
-        lo = vlo[k] > lo ? vlo[k] : lo;
-        nonfinite |= bad[k] != 0;
-    }
-    *max_out = m;
-    *lo_out = lo;
-    return nonfinite || bits_nonfinite(m) ? -1 : 0;
 }
 
 typedef struct {
@@ -187,17 +164,6 @@ static int64_t pick_row(const head_t *H, const float *up, float m, float lo, con
     if (bits_nonfinite(m) || bits_nonfinite(lo)) return -1;
     if (temperature > 0.0f) return sample_row(up, H->V, m, temperature, h, H->weight, H->K, seed, max_attempts);
     return greedy_row(up, H->V, lo, panel_max, h, H->weight, H->K, candidates);
-}
-
-/* One row's token from its cheap logits through upper_bounds (up: a scratch of V floats). */
-static int64_t head_row(const head_t *H, upper_bounds_fn upper_bounds, const void *logits, const float *h,
-                        double nh, double nd, float temperature, uint64_t seed, int64_t max_attempts,
-                        float *up, int64_t *candidates) {
-    const bound_t e = row_bound(H, nh, nd);
-    float m, lo;
-    *candidates = 0;
-    if (upper_bounds(logits, H->V, &e, up, &m, &lo) != 0) return -1;
-    return pick_row(H, up, m, lo, NULL, h, temperature, seed, max_attempts, candidates);
 }
 
 #endif

@@ -22,7 +22,7 @@
  * line; a register tile of 4 hidden rows x 16 tokens takes 4 broadcasts of a row's k-pair, 8
  * vpmaddwd and 8 vpaddd per k-pair. The tile's loop is written in inline assembly: GCC 12
  * otherwise copies every accumulator once per step (vmovdqa), measured ~25 % slower.
- * Threads split the panels; then each row's token is picked (head_row).
+ * Threads split the panels; then each row's token is picked (pick_row).
  */
 #include <math.h>
 #include <stdint.h>
