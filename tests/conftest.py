@@ -283,6 +283,39 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
     return get
 
 
+AVX2_FLAGS = ("-mno-avx512f",)
+
+
+@pytest.fixture(scope="session")
+def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The CPU kernels compiled with AVX-512 switched off (what an AVX2-only CPU gets), into a
+    fresh folder, once per test session."""
+    import platform
+
+    from cbgen.cpu import build as cpu_build
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("-mno-avx512f is an x86 flag")
+    build = cpu_build.build_library(tmp_path_factory.mktemp("kernels-avx2"), AVX2_FLAGS)
+    assert build.library is not None, build.status()
+    cc = cpu_build.find_compiler()
+    assert cc is not None
+    target = cpu_build.probe_target(cc, (*cpu_build._FLAGS, *AVX2_FLAGS))
+    assert "__AVX512F__" not in target.macros and "__AVX2__" in target.macros, build.reason
+    return build
+
+
+@pytest.fixture(params=["native", "avx2"])
+def each_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A kernel test runs against the default build and against the AVX2 one."""
+    from cbgen.cpu import kernels
+
+    if request.param == "avx2":
+        lib = request.getfixturevalue("avx2_build").library
+        monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): lib)
+    return str(request.param)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from cbgen.models.loader import default_model_path

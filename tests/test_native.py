@@ -5,7 +5,6 @@ cache keyed by target, the status line, the fallback without kernels, the argume
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -23,31 +22,6 @@ from cbgen.models.llama import RMSNorm
 from cbgen.models.ops import TORCH_OPS
 
 pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
-
-AVX2_FLAGS = ("-mno-avx512f",)
-
-
-@pytest.fixture(scope="module")
-def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> cpu_build.Build:
-    """The kernels compiled with AVX-512 switched off, into a fresh folder."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("-mno-avx512f is an x86 flag")
-    build = cpu_build.build_library(tmp_path_factory.mktemp("kernels-avx2"), AVX2_FLAGS)
-    assert build.library is not None, build.status()
-    cc = cpu_build.find_compiler()
-    assert cc is not None
-    target = cpu_build.probe_target(cc, (*cpu_build._FLAGS, *AVX2_FLAGS))
-    assert "__AVX512F__" not in target.macros and "__AVX2__" in target.macros, build.reason
-    return build
-
-
-@pytest.fixture(params=["native", "avx2"])
-def each_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A kernel test runs against the default build and against the AVX2 one."""
-    if request.param == "avx2":
-        lib = request.getfixturevalue("avx2_build").library
-        monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): lib)
-    return str(request.param)
 
 
 @pytest.mark.usefixtures("each_build")

@@ -2,6 +2,7 @@
 
     python -m tools.profile_step --num 64 --prompt 88 --output 128 [--temperature 1] [--torch-profile | --cprofile]
     python -m tools.profile_step --alternate-head   # the exact LM head against the float32 one
+    python -m tools.profile_step --alternate-decoder   # the forward pass in one C call or from Python
 
 --torch-profile sees torch ops only; --cprofile also times the C kernels (called through ctypes),
 per call site. Either profiles --profile-steps steps (10) after the first --profile-after steps;
@@ -97,9 +98,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="steps alternate between the model's exact LM head (bf16 or int16) and the float32 "
         "head, two at a time; prints the full decode steps' median of each",
     )
+    ap.add_argument(
+        "--alternate-decoder",
+        action="store_true",
+        help="steps alternate between the forward pass in one C call (cbgen.cpu.decoder) and the "
+        "Python one, two at a time; prints the full decode steps' median of each",
+    )
     args = ap.parse_args(argv)
     if args.torch_profile and args.cprofile:
         ap.error("choose one of --torch-profile and --cprofile")
+    if args.alternate_head and args.alternate_decoder:
+        ap.error("choose one of --alternate-head and --alternate-decoder")
     return args
 
 
@@ -135,17 +144,29 @@ def main(argv: list[str] | None = None) -> None:
     window = range(args.profile_after, args.profile_after + args.profile_steps)
     steps: list[StepStats] = []
     model = engine.runner.model
-    exact_head = model.exact_head
-    if args.alternate_head and exact_head is None:
-        raise SystemExit("--alternate-head: this model and CPU have no exact LM head")
-    with_head: list[bool] = []
+    # (attribute, its value, what the steps with it are called, what the others are)
+    alternate: tuple[str, object, str, str] | None = None
+    if args.alternate_head:
+        if model.exact_head is None:
+            raise SystemExit("--alternate-head: this model and CPU have no exact LM head")
+        alternate = (
+            "exact_head",
+            model.exact_head,
+            type(model.exact_head).__name__,
+            "float32 head",
+        )
+    if args.alternate_decoder:
+        if model.native_decoder is None:
+            raise SystemExit("--alternate-decoder: this model and CPU have no native decoder")
+        alternate = ("native_decoder", model.native_decoder, "one C call", "Python forward")
+    with_it: list[bool] = []
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         if profiler is not None and len(steps) == window.start:
             profiler.start()
-        if args.alternate_head:
-            with_head.append(len(steps) // 2 % 2 == 0)
-            model.exact_head = exact_head if with_head[-1] else None
+        if alternate is not None:
+            with_it.append(len(steps) // 2 % 2 == 0)
+            setattr(model, alternate[0], alternate[1] if with_it[-1] else None)
         steps.append(engine.step().stats)
         if profiler is not None and len(steps) == window.stop:
             profiler.stop(steps[window.start :])
@@ -167,12 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     if full:
         print(f"full decode step median {1000 * full[len(full) // 2]:.1f} ms ({len(full)} steps)")
-    if args.alternate_head:
-        name = type(exact_head).__name__
-        for label, on in ((name, True), ("float32 head", False)):
+    if alternate is not None:
+        for label, on in ((alternate[2], True), (alternate[3], False)):
             times = sorted(
                 s.duration_s
-                for s, h in zip(steps, with_head, strict=True)
+                for s, h in zip(steps, with_it, strict=True)
                 if h is on
                 and s.num_prefill_tokens == 0
                 and s.num_decode_tokens == args.max_num_seqs

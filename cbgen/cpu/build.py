@@ -51,6 +51,8 @@ _SRCS = {
     _CSRC / "activation.c": ("-ffp-contract=fast",),
     # temperature sampling: divides by the temperature as torch does (no reciprocal)
     _CSRC / "sample.c": ("-ffp-contract=off", "-fno-reciprocal-math"),
+    # a decode step's layers in one call: it only calls the kernels above
+    _CSRC / "decoder.c": ("-ffp-contract=off",),
 }
 _HEADERS = [_CSRC / "vexp.h", _CSRC / "cdf.h", _CSRC / "head_select.h"]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
@@ -314,3 +316,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cbgen_silu_mul_f32.restype = None
     lib.cbgen_sample_f32.argtypes = [p, i64, i64, i64, p, p, p]
     lib.cbgen_sample_f32.restype = ctypes.c_int
+    lib.cbgen_decoder_work_f32.argtypes = [p, i64]
+    lib.cbgen_decoder_work_f32.restype = i64
+    lib.cbgen_decoder_forward_f32.argtypes = [p, i64, p, p, p, p, i64, p, p, p]
+    lib.cbgen_decoder_forward_f32.restype = ctypes.c_int

@@ -284,6 +284,7 @@ class Engine:
             f"room for {tokens // self.max_model_len}+ sequences at max_model_len {self.max_model_len}"
         ) + (
             f"; {cpu_info().describe()}; {self._native_line()}; LM head {self._head_line()}"
+            f"; decode steps: {self._cpu_steps_line()}"
             if self.device.type == "cpu"
             else f"; decode steps: {self._graphs_line()}"
         )
@@ -291,6 +292,11 @@ class Engine:
     def _head_line(self) -> str:
         head = self.model.exact_head
         return "float32" if head is None else head.DESCRIPTION
+
+    def _cpu_steps_line(self) -> str:
+        if self.model.native_decoder is None:
+            return "layer by layer"
+        return "one C call each (where every matmul and attention kernel takes the step)"
 
     def _graphs_line(self) -> str:
         graphs = self.runner.graphs

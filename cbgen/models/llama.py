@@ -8,7 +8,7 @@ Hugging Face names and packed into the fused tensors by load_weights.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -225,6 +225,9 @@ class CausalLM(nn.Module):
         self.exact_head: ExactHead | None = None
         """Set by the loader on the CPU for a float32 model: bf16 logits where bf16 matmuls are
         native, int16 logits where the tuning measured them faster (AVX2)."""
+        self.native_decoder: Callable[..., torch.Tensor | None] | None = None
+        """Set by the loader on the CPU (cbgen.cpu.decoder.NativeDecoder): the forward pass of
+        the steps it serves in one C call, the same hidden states bit for bit."""
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -252,6 +255,11 @@ class CausalLM(nn.Module):
             residual += h;  x = norm(residual);  h = block(x)
         (what the reference writes as h = residual + block(norm(h)), with the same roundings)
         """
+        native = self.native_decoder
+        if native is not None:
+            hidden = native(input_ids, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
         ops, eps = self.ops, self.config.rms_norm_eps
         residual = self.embed_tokens(input_ids)
         rope = ops.rope_tables(self.rope.cos, self.rope.sin, positions, residual.dtype)

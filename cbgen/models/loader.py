@@ -31,6 +31,7 @@ from torch import nn
 from cbgen.attention.triton_backend import triton_available
 from cbgen.config import DEFAULT_MODEL
 from cbgen.cpu import tuning
+from cbgen.cpu.decoder import NativeDecoder
 from cbgen.cpu.kernels import fused_ops_available
 from cbgen.cpu.linear import (
     Bf16Head,
@@ -435,6 +436,8 @@ def load_model(
             model.exact_head = Bf16Head(model.head_weight.data)
         elif native and tuned is not None and tuned.int16_head:
             model.exact_head = Int16Head(model.head_weight.data)
+        if native:
+            model.native_decoder = NativeDecoder.for_model(model)
     return model
 
 

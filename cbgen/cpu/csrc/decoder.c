@@ -1,0 +1,93 @@
+/* A whole forward pass of a Llama-type decoder over a batch of decode tokens, in one call: the
+ * same kernels, in the same order, on the same buffers as cbgen.models.llama.CausalLM.forward
+ * with the cpu ops and the cpu attention backend, so its hidden states are bit for bit that
+ * path's. Per layer, with residual, x, h [T, H]:
+ *
+ *   x = add_rmsnorm(residual += h, input_norm)      (no add before the first layer)
+ *   qkv = x @ Wqkv (+ bias)                          small_gemm, [T, Q + 2 KV]
+ *   rope(q and k, side by side in each row)
+ *   write k, v at their slots;  o = paged_decode(q over the cache)
+ *   h = o @ Wo
+ *   x = add_rmsnorm(residual += h, post_norm)
+ *   h = silu_mul(x @ Wgate_up) @ Wdown
+ *
+ * and out = add_rmsnorm(residual += h, final_norm). A 30-layer model makes ~270 kernel calls a
+ * step; from Python each costs its argument checks, a tensor allocation and a ctypes call, while
+ * the other core waits in the kernels' thread pool. The caller checks the shapes the kernels
+ * hold before it calls; a kernel that still refuses (a slot past the cache, no memory for the
+ * attention's scores) ends the call with a non-zero code, and the caller runs the step its own
+ * way: the K/V written so far are the values it writes again.
+ */
+#include <stdint.h>
+
+void cbgen_add_rmsnorm_f32(float *residual, const float *x, const float *w, float eps, int64_t T,
+                           int64_t H, float *out);
+void cbgen_rope_f32(float *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
+                    const int64_t *positions, const float *cos_t, const float *sin_t);
+int cbgen_write_kv_f32(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
+                       float *k_cache, float *v_cache, int64_t num_slots, const int64_t *slots,
+                       int64_t T, int64_t row);
+int cbgen_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
+                           const float *v_cache, const int32_t *block_table, int64_t bt_stride,
+                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                           int64_t bs, float scale, int64_t window, float softcap, float *out);
+void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
+                          const float *bias, float *y);
+void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
+
+/* One layer's weights (small_gemm's panels) and its cache. */
+typedef struct {
+    const float *input_norm, *post_norm; /* [H] */
+    const float *qkv, *qkv_bias;         /* panels of [Q + 2 KV, H]; bias [Q + 2 KV] or NULL */
+    const float *o, *gate_up, *down;     /* panels of [H, Q], [2 I, H], [H, I] */
+    float *k_cache, *v_cache;            /* [num_slots, KV] each */
+    int64_t window;                      /* sliding window, 0: none */
+} cbgen_layer_f32;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, num_slots;
+    float eps, scale, softcap; /* softcap 0: none */
+    const float *cos, *sin;    /* RoPE tables [positions, head_dim / 2] */
+    const float *final_norm;   /* [H] */
+    const cbgen_layer_f32 *layer;
+} cbgen_decoder_f32;
+
+/* Floats of workspace a call over T tokens needs. */
+int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T) {
+    const int64_t q = m->heads * m->head_dim, kv = m->kv_heads * m->head_dim;
+    return T * (2 * m->hidden + (q + 2 * kv) + q + 3 * m->inter);
+}
+
+/* residual [T, H]: the tokens' embeddings in, the residual stream out; out [T, H]: the hidden
+ * states after the final norm. positions [T] and slots [T] int64; block_table [T, bt_stride]
+ * and seq_lens [T] int32: token t's sequence, and the keys it sees (itself included). work:
+ * cbgen_decoder_work_f32 floats. 0, or the failing kernel's code. */
+int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *residual,
+                              const int64_t *positions, const int64_t *slots,
+                              const int32_t *block_table, int64_t bt_stride,
+                              const int32_t *seq_lens, float *work, float *out) {
+    const int64_t H = m->hidden, D = m->head_dim, I = m->inter;
+    const int64_t q = m->heads * D, kv = m->kv_heads * D, row = q + 2 * kv;
+    float *x = work, *h = x + T * H, *qkv = h + T * H, *o = qkv + T * row, *gu = o + T * q,
+          *act = gu + T * 2 * I;
+    for (int64_t l = 0; l < m->layers; ++l) {
+        const cbgen_layer_f32 *L = m->layer + l;
+        cbgen_add_rmsnorm_f32(residual, l ? h : 0, L->input_norm, m->eps, T, H, x);
+        cbgen_small_gemm_f32(x, T, H, L->qkv, row, L->qkv_bias, qkv);
+        cbgen_rope_f32(qkv, row, T, m->heads + m->kv_heads, D, positions, m->cos, m->sin);
+        int rc = cbgen_write_kv_f32(qkv + q, row, qkv + q + kv, row, L->k_cache, L->v_cache,
+                                    m->num_slots, slots, T, kv);
+        if (rc) return rc;
+        rc = cbgen_paged_decode_f32(qkv, row, L->k_cache, L->v_cache, block_table, bt_stride,
+                                    seq_lens, T, m->heads, m->kv_heads, D, m->block_size,
+                                    m->scale, L->window, m->softcap, o);
+        if (rc) return rc;
+        cbgen_small_gemm_f32(o, T, q, L->o, H, 0, h);
+        cbgen_add_rmsnorm_f32(residual, h, L->post_norm, m->eps, T, H, x);
+        cbgen_small_gemm_f32(x, T, H, L->gate_up, 2 * I, 0, gu);
+        cbgen_silu_mul_f32(gu, T, I, act);
+        cbgen_small_gemm_f32(act, T, I, L->down, H, 0, h);
+    }
+    cbgen_add_rmsnorm_f32(residual, m->layers ? h : 0, m->final_norm, m->eps, T, H, out);
+    return 0;
+}

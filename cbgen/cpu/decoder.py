@@ -1,0 +1,270 @@
+"""A decode step's whole forward pass in one C call (cbgen/cpu/csrc/decoder.c), for Llama-type
+models on the CPU in float32.
+
+With the cpu ops and the cpu attention backend, CausalLM.forward makes ~9 kernel calls a layer
+(~270 a step for SmolLM2's 30 layers); from Python each also pays its argument checks, a tensor
+allocation, a module call and ctypes, while the kernels' other thread waits. NativeDecoder
+makes the same calls, in the same order, on the same kinds of buffers, from C: the hidden
+states are bit for bit the Python path's (tests/test_native_decoder.py). It serves the steps
+whose every token the attention's C decode kernel takes (decodes, and prompt chunks small
+enough for it) and whose matmuls all go to small_gemm (kernels.small_gemm_max_rows); any
+other step, and a step a kernel refuses, runs the Python path.
+
+Which models: the plain Llama layer (CausalLM with its MLP; Llama, Mistral, Qwen2 with its QKV
+bias, SmolLM2, Phi-3 without partial rotary), float32 weights with small_gemm panels. Not Gemma,
+Qwen3 (q/k norms), mixtures of experts or partial rotary: they keep the Python path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from cbgen.attention.base import AttentionMetadata
+from cbgen.attention.cpu_backend import CpuPlan
+from cbgen.cpu import kernels
+from cbgen.cpu.ops import CPU_OPS
+
+if TYPE_CHECKING:
+    from cbgen.models.llama import MLP, CausalLM
+
+_P = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    """decoder.c's cbgen_layer_f32."""
+
+    _fields_ = [
+        *(
+            (name, _P)
+            for name in (
+                "input_norm",
+                "post_norm",
+                "qkv",
+                "qkv_bias",
+                "o",
+                "gate_up",
+                "down",
+                "k_cache",
+                "v_cache",
+            )
+        ),
+        ("window", ctypes.c_int64),
+    ]
+
+
+class _Decoder(ctypes.Structure):
+    """decoder.c's cbgen_decoder_f32."""
+
+    _fields_ = [
+        *(
+            (name, ctypes.c_int64)
+            for name in (
+                "layers",
+                "hidden",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "inter",
+                "block_size",
+                "num_slots",
+            )
+        ),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("cos", _P),
+        ("sin", _P),
+        ("final_norm", _P),
+        ("layer", ctypes.POINTER(_Layer)),
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecoder:
+    """model's decode forward in one C call; see the module docstring. Build with for_model."""
+
+    def __init__(self, model: CausalLM) -> None:
+        cfg = model.config
+        self.model = model
+        self.layers = list(model.decoder_layers)
+        attn = self.layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = attn.scale
+        self.softcap = attn.logit_softcap or 0.0
+        self.lib = kernels.load_library()
+        self._caches: list[torch.Tensor] = []
+        self._struct: _Decoder | None = None
+        self._layer_array: ctypes.Array[_Layer] | None = None
+        self._work = torch.empty(0, dtype=torch.float32)
+        self.calls = 0
+        """Forward passes this decoder ran (a diagnostic: tests check it served)."""
+
+    @classmethod
+    def for_model(cls, model: CausalLM) -> NativeDecoder | None:
+        """The decoder for model, or None where it cannot serve: another layer or MLP, other
+        ops, a weight without small_gemm panels, q/k norms, partial rotary, or heads the
+        attention kernel does not hold."""
+        from cbgen.models.llama import MLP, Attention, CausalLM, DecoderLayer
+
+        if (
+            type(model) is not CausalLM
+            or kernels.load_library() is None
+            or model.ops is not CPU_OPS
+        ):
+            return None
+        cfg = model.config
+        if cfg.qk_norm or 2 * model.rope.cos.shape[1] != cfg.head_dim:
+            return None
+        if (
+            model.embed_tokens.weight.dtype != torch.float32
+            or model.rope.cos.dtype != torch.float32
+        ):
+            return None
+        for layer in model.decoder_layers:
+            if (
+                type(layer) is not DecoderLayer
+                or type(layer.self_attn) is not Attention
+                or type(layer.mlp) is not MLP
+            ):
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(lin.panels is None or lin.weight.dtype != torch.float32 for lin in linears):
+                return None
+            if any(lin.bias is not None for lin in linears[1:]):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+                return None
+        attn = model.decoder_layers[0].self_attn
+        # the attention kernel's limits on heads and head size: asked with an empty batch
+        probe = kernels.paged_decode_f32(
+            torch.empty(0, attn.num_heads, attn.head_dim),
+            torch.empty(2, 1, 1, attn.num_kv_heads, attn.head_dim),
+            torch.empty(0, 1, dtype=torch.int32),
+            torch.empty(0, dtype=torch.int32),
+            attn.scale,
+        )
+        if probe is None:
+            return None
+        return cls(model)
+
+    def _bound(self, kv_caches: Sequence[torch.Tensor]) -> bool:
+        """The C structs point at these very caches."""
+        return len(kv_caches) == len(self._caches) and all(
+            a is b for a, b in zip(kv_caches, self._caches, strict=True)
+        )
+
+    def _bind(self, kv_caches: Sequence[torch.Tensor], block_size: int) -> bool:
+        """Point the C structs at these caches (once per set of caches). False when a cache is
+        not what the kernels take: float32, contiguous, [2, blocks, block_size, KV heads, D],
+        every layer's the same size."""
+        want = (block_size, self.kv_heads, self.head_dim)
+        first = kv_caches[0] if kv_caches else None
+        if first is None or len(kv_caches) != len(self.layers):
+            return False
+        for c in kv_caches:
+            if (
+                c.dtype != torch.float32
+                or not c.is_cpu
+                or not c.is_contiguous()
+                or c.dim() != 5
+                or c.shape[0] != 2
+                or tuple(c.shape[2:]) != want
+                or c.shape != first.shape
+            ):
+                return False
+        model = self.model
+        array = (_Layer * len(self.layers))()
+        for entry, layer, cache in zip(array, self.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, cast("MLP", layer.mlp)
+            entry.input_norm = _ptr(layer.input_layernorm.weight)
+            entry.post_norm = _ptr(layer.post_attention_layernorm.weight)
+            entry.qkv = _ptr(attn.qkv_proj.panels)
+            entry.qkv_bias = _ptr(attn.qkv_proj.bias)
+            entry.o = _ptr(attn.o_proj.panels)
+            entry.gate_up = _ptr(mlp.gate_up_proj.panels)
+            entry.down = _ptr(mlp.down_proj.panels)
+            entry.k_cache = _ptr(cache[0])
+            entry.v_cache = _ptr(cache[1])
+            entry.window = attn.sliding_window or 0
+        self._struct = _Decoder(
+            layers=len(self.layers),
+            hidden=self.hidden,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            inter=self.inter,
+            block_size=block_size,
+            num_slots=first.shape[1] * block_size,
+            eps=self.eps,
+            scale=self.scale,
+            softcap=self.softcap,
+            cos=_ptr(model.rope.cos),
+            sin=_ptr(model.rope.sin),
+            final_norm=_ptr(model.norm.weight),
+            layer=array,
+        )
+        self._layer_array = array
+        self._caches = list(kv_caches)
+        return True
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """The hidden states [T, hidden] after the final norm, as CausalLM.forward returns them;
+        None, having changed nothing the Python path would not redo, for a step it does not
+        serve."""
+        plan = meta.state
+        t = input_ids.shape[0]
+        if (
+            not isinstance(plan, CpuPlan)
+            or t == 0
+            or t > kernels.small_gemm_max_rows()
+            or plan.native.tokens.shape[0] != t  # then token i is the kernel's row i
+            or positions.dtype != torch.int64
+            or meta.slot_mapping.dtype != torch.int64
+        ):
+            return None
+        if not self._bound(kv_caches) and not self._bind(kv_caches, meta.block_size):
+            return None
+        struct = self._struct
+        assert struct is not None and self.lib is not None
+        if struct.block_size != meta.block_size:
+            return None
+        need = self.lib.cbgen_decoder_work_f32(ctypes.byref(struct), t)
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.float32)
+        residual = self.model.embed_tokens(input_ids).contiguous()
+        out = torch.empty_like(residual)
+        blocks, seq_lens = plan.native.blocks.contiguous(), plan.native.seq_lens.contiguous()
+        pos, slots = positions.contiguous(), meta.slot_mapping.contiguous()
+        rc = self.lib.cbgen_decoder_forward_f32(
+            ctypes.byref(struct),
+            t,
+            residual.data_ptr(),
+            pos.data_ptr(),
+            slots.data_ptr(),
+            blocks.data_ptr(),
+            blocks.shape[1],
+            seq_lens.data_ptr(),
+            self._work.data_ptr(),
+            out.data_ptr(),
+        )
+        if rc:
+            return None
+        self.calls += 1
+        return out

@@ -1,0 +1,159 @@
+"""cbgen.cpu.decoder: a step's forward pass in one C call gives the Python forward's hidden
+states bit for bit, for the models it serves, with the default build and the AVX2 one; the
+steps and models it does not serve take the Python path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import tiny_engine
+
+from cbgen.config import SamplingParams
+from cbgen.cpu import kernels
+from cbgen.cpu.decoder import NativeDecoder
+from cbgen.llm import LLM
+
+pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
+
+
+class Checked:
+    """Stands in for a model's native decoder: every step it serves is run again by the Python
+    forward (which writes the same K/V again), and the two hidden states must be equal."""
+
+    def __init__(self, engine: Any) -> None:
+        self.model = engine.runner.model
+        self.backend = engine.runner.backend
+        self.native = self.model.native_decoder
+        assert isinstance(self.native, NativeDecoder)
+        self.served: list[int] = []  # tokens of each step served
+        self.declined = 0
+        self.model.native_decoder = self
+
+    def __call__(self, input_ids: Any, positions: Any, kv_caches: Any, meta: Any) -> Any:
+        got = self.native(input_ids, positions, kv_caches, meta)
+        if got is None:
+            self.declined += 1
+            return None
+        self.model.native_decoder = None
+        try:
+            want = self.model(input_ids, positions, kv_caches, meta, self.backend)
+        finally:
+            self.model.native_decoder = self
+        assert torch.equal(got, want), (got - want).abs().max()
+        self.served.append(input_ids.shape[0])
+        return got
+
+
+PROMPTS = [[1, 5, 9, 200, 17], list(range(30, 70)), [100, 3, 77, 42, 42, 9, 250, 17], [7] * 19]
+
+
+def _generate(engine: Any, prompts: list[list[int]], **params: Any) -> list[list[int]]:
+    sampling = SamplingParams(**{"temperature": 0, "max_tokens": 20, "ignore_eos": True, **params})
+    return [o.output_token_ids for o in LLM(engine=engine).generate(prompts, sampling)]
+
+
+@pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3", "phi3_longrope"])
+def test_one_c_call_gives_the_python_forwards_hidden_states_bit_for_bit(
+    kind: str, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    """Decodes and small prompt chunks (with and without cached context) in mixed steps;
+    GQA, QKV bias (qwen2), a sliding window in every layer (phi3), LongRoPE's scaled tables."""
+    engine = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=24)
+    checked = Checked(engine)
+    tokens = _generate(engine, PROMPTS) + _generate(engine, PROMPTS[:2], temperature=1.0, seed=3)
+    assert all(len(t) == 20 for t in tokens)
+    assert checked.declined == 0
+    assert len(checked.served) > 20 and max(checked.served) == 24 and min(checked.served) == 1
+    assert checked.native.calls == len(checked.served)
+
+
+@pytest.mark.usefixtures("each_build")
+def test_steps_with_a_chunk_for_the_prefill_kernel_take_the_python_path(
+    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt chunk the attention's decode kernel does not take (more K/V rows than
+    prefill_split allows), and a batch past small_gemm's rows, run the Python forward; the
+    tokens are those of an engine without the native decoder."""
+    folder = tiny_model_dir("llama")
+    monkeypatch.setattr(kernels, "prefill_split", lambda: (40, True))
+    monkeypatch.setattr(kernels, "small_gemm_max_rows", lambda: 6)
+    engine = tiny_engine(folder, max_num_batched_tokens=24)
+    checked = Checked(engine)
+    got = _generate(engine, PROMPTS)
+    assert checked.declined > 0 and checked.served and max(checked.served) <= 6
+    plain = tiny_engine(folder, max_num_batched_tokens=24)
+    plain.runner.model.native_decoder = None
+    assert _generate(plain, PROMPTS) == got
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "mixtral", "phi4_mini"])
+def test_models_it_does_not_serve_keep_the_python_forward(
+    kind: str, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    """Q/K norms, Gemma's layers, experts and partial rotary are not in the C pass."""
+    engine = tiny_engine(tiny_model_dir(kind))
+    assert engine.runner.model.native_decoder is None
+    assert "decode steps: layer by layer" in engine.describe()
+    assert len(_generate(engine, PROMPTS[:1])[0]) == 20
+
+
+def test_weights_kept_in_bf16_keep_the_python_forward(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    engine = tiny_engine(tiny_model_dir("llama"), cpu_weight_dtype="bfloat16")
+    assert engine.runner.model.native_decoder is None
+
+
+def test_a_slot_past_the_cache_is_refused_before_anything_is_written(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    """A kernel that refuses ends the call with nothing the Python path would not redo: here
+    the K/V write of the first layer, which checks every slot before it writes one."""
+    engine = tiny_engine(tiny_model_dir("llama"))
+    runner = engine.runner
+    native = runner.model.native_decoder
+    assert isinstance(native, NativeDecoder)
+    _generate(engine, PROMPTS[:1])
+    calls = native.calls
+    assert calls > 0
+    caches = [c.clone() for c in runner.kv_caches]
+    meta = _one_decode_meta(runner, slot=runner.kv_caches[0].shape[1] * 4)
+    runner.backend.prepare(meta)
+    ids, pos = torch.tensor([5]), torch.tensor([3])
+    assert native(ids, pos, runner.kv_caches, meta) is None
+    assert native.calls == calls
+    assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches, strict=True))
+    meta = _one_decode_meta(runner, slot=7)  # a slot in the cache
+    runner.backend.prepare(meta)
+    assert native(ids, pos, runner.kv_caches, meta) is not None
+    assert not torch.equal(caches[0], runner.kv_caches[0])
+
+
+def _one_decode_meta(runner: Any, slot: int) -> Any:
+    from cbgen.attention.base import AttentionMetadata
+
+    return AttentionMetadata(
+        slot_mapping=torch.tensor([slot]),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([4], dtype=torch.int32),
+        block_table=torch.tensor([[0, 1]], dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=4,
+        block_size=runner.block_size,
+    )
+
+
+def test_the_real_model_runs_its_decode_steps_in_one_call(smollm2_engine: Any) -> None:
+    """SmolLM2 (the token-exact tests against transformers run through it) takes the C pass."""
+    native = smollm2_engine.runner.model.native_decoder
+    assert isinstance(native, NativeDecoder)
+    assert "decode steps: one C call each" in smollm2_engine.describe()
+    before = native.calls
+    out = _generate(smollm2_engine, [[1, 9690, 28, 2], [1, 504, 3458, 314, 253]], max_tokens=4)
+    assert [len(t) for t in out] == [4, 4]
+    assert native.calls >= before + 4
