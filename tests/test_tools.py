@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cbgen.cpu import kernels
 from cbgen.engine.outputs import StepStats
 from tools import compare_peers, head_bench, profile_step
 from tools.cbgen_worker import flop_summary
@@ -106,9 +107,27 @@ def test_profile_step_alternates_the_exact_and_the_float32_head(
     assert re.search(r"float32 head: full decode step median [\d.]+ ms \(4 steps\)", out), out
 
 
+@pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
+def test_profile_step_alternates_the_one_call_and_the_python_forward(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    profile_step.main(
+        [
+            "--model", "tiny-llama", "--load-format", "dummy", "--num-threads", "1",
+            "--num", "2", "--prompt", "8", "--output", "9", "--max-num-seqs", "2",
+            "--kv-cache-memory", str(1 << 20), "--alternate-decoder",
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert re.search(r"one C call: full decode step median [\d.]+ ms \(4 steps\)", out), out
+    assert re.search(r"Python forward: full decode step median [\d.]+ ms \(4 steps\)", out), out
+
+
 def test_profile_step_rejects_two_profilers() -> None:
     with pytest.raises(SystemExit):
         profile_step.parse_args(["--torch-profile", "--cprofile"])
+    with pytest.raises(SystemExit):
+        profile_step.parse_args(["--alternate-head", "--alternate-decoder"])
 
 
 def step(prefill: int, decode: int, scheduled: int, duration_s: float) -> StepStats:
