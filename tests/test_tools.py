@@ -90,37 +90,34 @@ def test_head_bench_times_both_heads_and_checks_their_tokens(
     assert all(r.rstrip().endswith("|") and "x |" in r for r in rows)
 
 
-@needs_exact_head
-def test_profile_step_alternates_the_exact_and_the_float32_head(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(
+    ("flag", "with_it", "without"),
+    [
+        pytest.param("--alternate-head", "Head", "float32 head", marks=needs_exact_head),
+        pytest.param(
+            "--alternate-decoder",
+            "one C call",
+            "Python forward",
+            marks=pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler"),
+        ),
+    ],
+)
+def test_profile_step_alternates_two_paths(
+    flag: str, with_it: str, without: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The exact LM head against the float32 one; the forward pass in one C call against the
+    Python one."""
     profile_step.main(
         [
             "--model", "tiny-llama", "--load-format", "dummy", "--num-threads", "1",
             "--num", "2", "--prompt", "8", "--output", "9", "--max-num-seqs", "2",
-            "--kv-cache-memory", str(1 << 20), "--alternate-head",
+            "--kv-cache-memory", str(1 << 20), flag,
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
-    # steps 0-1 with the head, 2-3 without, ...: of the 8 full decode steps (1-8), 4 each
-    assert re.search(r"Head: full decode step median [\d.]+ ms \(4 steps\)", out), out
-    assert re.search(r"float32 head: full decode step median [\d.]+ ms \(4 steps\)", out), out
-
-
-@pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
-def test_profile_step_alternates_the_one_call_and_the_python_forward(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    profile_step.main(
-        [
-            "--model", "tiny-llama", "--load-format", "dummy", "--num-threads", "1",
-            "--num", "2", "--prompt", "8", "--output", "9", "--max-num-seqs", "2",
-            "--kv-cache-memory", str(1 << 20), "--alternate-decoder",
-        ]
-    )  # fmt: skip
-    out = capsys.readouterr().out
-    assert re.search(r"one C call: full decode step median [\d.]+ ms \(4 steps\)", out), out
-    assert re.search(r"Python forward: full decode step median [\d.]+ ms \(4 steps\)", out), out
+    # steps 0-1 with it, 2-3 without, ...: of the 8 full decode steps (1-8), 4 each
+    for label in (with_it, without):
+        assert re.search(rf"{label}: full decode step median [\d.]+ ms \(4 steps\)", out), out
 
 
 def test_profile_step_rejects_two_profilers() -> None:
