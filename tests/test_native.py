@@ -41,6 +41,27 @@ def test_add_rmsnorm_matches_residual_add_then_rmsnorm() -> None:
 
 
 @pytest.mark.usefixtures("each_build")
+def test_head_rmsnorm_in_place_matches_the_norm_of_each_head() -> None:
+    """q/k norms in the rows of a QKV projection: only the first `heads` heads of each row
+    change, each to RMSNorm(head) * weight; strided rows; 2,000 rows go parallel."""
+    torch.manual_seed(1)
+    for t, heads, d in ((1, 4, 128), (5, 3, 64), (2000, 16, 64)):
+        qkv = torch.randn(t, (heads + 2) * d + 8) * 3
+        norm = RMSNorm(d, 1e-6)
+        norm.weight.data.uniform_(0.5, 1.5)
+        want = qkv.clone()
+        want[:, : heads * d] = norm(qkv[:, : heads * d].reshape(t, heads, d)).reshape(t, -1)
+        view = qkv[:, : (heads + 1) * d]  # strided rows: the row stride is the full width
+        kernels.rmsnorm_heads_(view, heads, d, norm.weight.data, 1e-6)
+        assert torch.equal(qkv[:, heads * d :], want[:, heads * d :])
+        torch.testing.assert_close(qkv, want, rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="rows of 3 heads x 64"):
+        kernels.rmsnorm_heads_(torch.randn(2, 100), 3, 64, torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        kernels.rmsnorm_heads_(torch.randn(2, 192), 3, 64, torch.ones(32), 1e-6)
+
+
+@pytest.mark.usefixtures("each_build")
 def test_rope_in_place_is_bit_identical_to_the_reference_formula() -> None:
     torch.manual_seed(2)
     t, heads, d = 9, 5, 64

@@ -269,6 +269,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cbgen_add_rmsnorm_f32.restype = None
     lib.cbgen_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p, p]
     lib.cbgen_rope_f32.restype = None
+    lib.cbgen_rmsnorm_heads_f32.argtypes = [p, i64, i64, i64, i64, p, f32]
+    lib.cbgen_rmsnorm_heads_f32.restype = None
     lib.cbgen_write_kv_f32.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64]
     lib.cbgen_write_kv_f32.restype = ctypes.c_int
     lib.cbgen_head_bf16.argtypes = [p, i64, i64, p, p, i64, p, p, p, *[f32] * 4, p, p, i64, p]

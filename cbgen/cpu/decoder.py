@@ -11,8 +11,8 @@ enough for it) and whose matmuls all go to small_gemm (kernels.small_gemm_max_ro
 other step, and a step a kernel refuses, runs the Python path.
 
 Which models: the plain Llama layer (CausalLM with its MLP; Llama, Mistral, Qwen2 with its QKV
-bias, SmolLM2, Phi-3 without partial rotary), float32 weights with small_gemm panels. Not Gemma,
-Qwen3 (q/k norms), mixtures of experts or partial rotary: they keep the Python path.
+bias, Qwen3 with its q/k norms, SmolLM2, Phi-3 without partial rotary), float32 weights with
+small_gemm panels. Not Gemma, mixtures of experts or partial rotary: they keep the Python path.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ class _Layer(ctypes.Structure):
                 "post_norm",
                 "qkv",
                 "qkv_bias",
+                "q_norm",
+                "k_norm",
                 "o",
                 "gate_up",
                 "down",
@@ -122,7 +124,7 @@ class NativeDecoder:
         ):
             return None
         cfg = model.config
-        if cfg.qk_norm or 2 * model.rope.cos.shape[1] != cfg.head_dim:
+        if 2 * model.rope.cos.shape[1] != cfg.head_dim:
             return None
         if (
             model.embed_tokens.weight.dtype != torch.float32
@@ -142,8 +144,17 @@ class NativeDecoder:
                 return None
             if any(lin.bias is not None for lin in linears[1:]):
                 return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if (attn.q_norm is None) != (attn.k_norm is None):
+                return None
+            if attn.q_norm is not None and attn.k_norm is not None:
+                norms += [attn.q_norm, attn.k_norm]
+            if any(
+                n.weight.dtype != torch.float32
+                or not n.weight.is_contiguous()
+                or n.eps != cfg.rms_norm_eps
+                for n in norms
+            ):
                 return None
         attn = model.decoder_layers[0].self_attn
         # the attention kernel's limits on heads and head size: asked with an empty batch
@@ -191,6 +202,8 @@ class NativeDecoder:
             entry.post_norm = _ptr(layer.post_attention_layernorm.weight)
             entry.qkv = _ptr(attn.qkv_proj.panels)
             entry.qkv_bias = _ptr(attn.qkv_proj.bias)
+            entry.q_norm = _ptr(None if attn.q_norm is None else attn.q_norm.weight)
+            entry.k_norm = _ptr(None if attn.k_norm is None else attn.k_norm.weight)
             entry.o = _ptr(attn.o_proj.panels)
             entry.gate_up = _ptr(mlp.gate_up_proj.panels)
             entry.down = _ptr(mlp.down_proj.panels)

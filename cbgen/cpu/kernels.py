@@ -151,6 +151,23 @@ def add_rmsnorm_(
     return out
 
 
+def _check_head_rows(x: torch.Tensor, heads: int, head_dim: int) -> int:
+    """x [T, C] float32 holds `heads` heads of head_dim contiguous floats at the start of each
+    row (rows at any stride, not overlapping them); returns T."""
+    _check("x", x, torch.float32, ("T", "C"))
+    t = x.shape[0]
+    if (
+        x.shape[1] < heads * head_dim
+        or x.stride(1) != 1
+        or (t > 1 and x.stride(0) < heads * head_dim)
+    ):
+        raise ValueError(
+            f"x: rows of {heads} heads x {head_dim} contiguous floats expected, got shape {list(x.shape)} "
+            f"and strides {x.stride()}"
+        )
+    return t
+
+
 def rope_(
     x: torch.Tensor,
     heads: int,
@@ -162,18 +179,9 @@ def rope_(
     """Rotate, in place, the first `heads` heads of each row of x [T, >= heads * head_dim]
     (float32, unit column stride) at positions [T] int64, from the tables cos and sin
     [max_positions, head_dim / 2] float32, contiguous."""
-    _check("x", x, torch.float32, ("T", "C"))
-    t = x.shape[0]
-    if (
-        head_dim % 2
-        or x.shape[1] < heads * head_dim
-        or x.stride(1) != 1
-        or (t > 1 and x.stride(0) < heads * head_dim)
-    ):
-        raise ValueError(
-            f"x: rows of {heads} heads x {head_dim} contiguous floats expected, got shape {list(x.shape)} "
-            f"and strides {x.stride()}"
-        )
+    if head_dim % 2:
+        raise ValueError(f"head_dim: RoPE turns pairs of dimensions, got {head_dim}")
+    t = _check_head_rows(x, heads, head_dim)
     _check("positions", positions, torch.int64, (t,))
     _check("cos", cos, torch.float32, ("max_positions", head_dim // 2))
     _check("sin", sin, torch.float32, tuple(cos.shape))
@@ -189,6 +197,20 @@ def rope_(
         positions.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),
+    )
+
+
+def rmsnorm_heads_(
+    x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float
+) -> None:
+    """RMSNorm in place over each of the first `heads` heads of each row of x
+    [T, >= heads * head_dim] (float32, unit column stride, rows at any stride), weight
+    [head_dim] float32 shared by the heads (q/k norms)."""
+    t = _check_head_rows(x, heads, head_dim)
+    _check("weight", weight, torch.float32, (head_dim,))
+    _check_contiguous("weight", weight)
+    _library().cbgen_rmsnorm_heads_f32(
+        x.data_ptr(), x.stride(0), t, heads, head_dim, weight.data_ptr(), eps
     )
 
 

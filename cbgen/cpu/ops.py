@@ -1,6 +1,6 @@
 """The decoder's element-wise ops as C kernels (CPU, float32): residual add + RMSNorm in one
-pass, RoPE in place from the float32 tables, and SiLU x up in one pass over the gate-up
-projection. Each rounds as cbgen.models.ops.TorchOps, the reference, does (tests/test_native.py).
+pass, q/k norms and RoPE in place in the QKV rows (RoPE from the float32 tables), and SiLU x up
+in one pass over the gate-up projection. Each rounds as cbgen.models.ops.TorchOps, the reference, does (tests/test_native.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ class CpuOps:
             TORCH_OPS.rope_(x, num_heads, head_dim, torch_tables)
             return
         kernels.rope_(x, num_heads, head_dim, positions, cos, sin)
+
+    def rmsnorm_heads_(
+        self, x: torch.Tensor, num_heads: int, head_dim: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        kernels.rmsnorm_heads_(x, num_heads, head_dim, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_mul(gate_up)

@@ -18,7 +18,7 @@ from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.cpu import kernels
 from cbgen.cpu.linear import ExactHead, linear, pack_weight
 from cbgen.models.config import ModelConfig
-from cbgen.models.ops import TORCH_OPS, Ops, RopeKvOps, rms_norm
+from cbgen.models.ops import TORCH_OPS, HeadNormOps, Ops, RopeKvOps, rms_norm
 
 
 class Linear(nn.Linear):
@@ -149,8 +149,14 @@ class Attention(nn.Module):
         k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(t, self.num_kv_heads, self.head_dim)
         written = False  # the new K/V already in kv_cache
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q).contiguous(), self.k_norm(k).contiguous()
+        qn, kn = self.q_norm, self.k_norm
+        if qn is not None and kn is not None and isinstance(ops, HeadNormOps):
+            # q/k norms in place in the rows of qkv; then q and k rotate in one go below
+            ops.rmsnorm_heads_(qkv, self.num_heads, self.head_dim, qn.weight, qn.eps)
+            ops.rmsnorm_heads_(qkv[:, q_end:], self.num_kv_heads, self.head_dim, kn.weight, kn.eps)
+            qn = kn = None
+        if qn is not None and kn is not None:
+            q, k = qn(q).contiguous(), kn(k).contiguous()
             ops.rope_(q.view(t, -1), self.num_heads, self.head_dim, rope)
             ops.rope_(k.view(t, -1), self.num_kv_heads, self.head_dim, rope)
         elif backend.attends_written_kv and isinstance(ops, RopeKvOps):

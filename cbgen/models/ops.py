@@ -71,6 +71,19 @@ class RopeKvOps(Protocol):
         ...
 
 
+@runtime_checkable
+class HeadNormOps(Protocol):
+    """Ops that apply q/k norms (one RMSNorm weight per head size) in place, in the rows of the
+    QKV projection (CpuOps), so q and k stay where RoPE and the K/V write read them."""
+
+    def rmsnorm_heads_(
+        self, x: torch.Tensor, num_heads: int, head_dim: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        """RMSNorm(head) * weight, in place, for each of the first num_heads heads of every row
+        of x [T, >= num_heads * head_dim] (rows may be strided)."""
+        ...
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Computed in float32 and cast back, as the reference implementations do."""
     x32 = x.float()

@@ -5,6 +5,7 @@
  *
  *   x = add_rmsnorm(residual += h, input_norm)      (no add before the first layer)
  *   qkv = x @ Wqkv (+ bias)                          small_gemm, [T, Q + 2 KV]
+ *   q and k heads RMSNormed in place                 (models with q/k norms: Qwen3)
  *   rope(q and k, side by side in each row)
  *   write k, v at their slots;  o = paged_decode(q over the cache)
  *   h = o @ Wo
@@ -22,6 +23,8 @@
 
 void cbgen_add_rmsnorm_f32(float *residual, const float *x, const float *w, float eps, int64_t T,
                            int64_t H, float *out);
+void cbgen_rmsnorm_heads_f32(float *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
+                             const float *w, float eps);
 void cbgen_rope_f32(float *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
                     const int64_t *positions, const float *cos_t, const float *sin_t);
 int cbgen_write_kv_f32(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
@@ -39,6 +42,7 @@ void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
 typedef struct {
     const float *input_norm, *post_norm; /* [H] */
     const float *qkv, *qkv_bias;         /* panels of [Q + 2 KV, H]; bias [Q + 2 KV] or NULL */
+    const float *q_norm, *k_norm;        /* [D] each, or NULL: no q/k norms */
     const float *o, *gate_up, *down;     /* panels of [H, Q], [2 I, H], [H, I] */
     float *k_cache, *v_cache;            /* [num_slots, KV] each */
     int64_t window;                      /* sliding window, 0: none */
@@ -74,6 +78,10 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
         const cbgen_layer_f32 *L = m->layer + l;
         cbgen_add_rmsnorm_f32(residual, l ? h : 0, L->input_norm, m->eps, T, H, x);
         cbgen_small_gemm_f32(x, T, H, L->qkv, row, L->qkv_bias, qkv);
+        if (L->q_norm) {
+            cbgen_rmsnorm_heads_f32(qkv, row, T, m->heads, D, L->q_norm, m->eps);
+            cbgen_rmsnorm_heads_f32(qkv + q, row, T, m->kv_heads, D, L->k_norm, m->eps);
+        }
         cbgen_rope_f32(qkv, row, T, m->heads + m->kv_heads, D, positions, m->cos, m->sin);
         int rc = cbgen_write_kv_f32(qkv + q, row, qkv + q + kv, row, L->k_cache, L->v_cache,
                                     m->num_slots, slots, T, kv);

@@ -9,6 +9,18 @@
 
 #define PAR_MIN_ELEMS (1 << 18)
 
+/* o[i] = w[i] * (r[i] * rsqrt(ss / n + eps)) for the row r of n floats whose sum of squares
+ * (in double) is ss; o may be r. */
+static inline void norm_row(const float *r, double ss, int64_t n, const float *w, float eps,
+                            float *o) {
+    const float var = (float)(ss / (double)n);
+    const float inv = 1.0f / sqrtf(var + eps);
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = r[i] * inv;
+        o[i] = w[i] * v;
+    }
+}
+
 /* residual (in/out) [T, H], x [T, H] or NULL, w [H], out [T, H]:
  *   if x: residual = residual + x;   out = w * (residual * rsqrt(mean(residual^2) + eps)) */
 void cbgen_add_rmsnorm_f32(float *residual, const float *x, const float *w, float eps,
@@ -16,7 +28,6 @@ void cbgen_add_rmsnorm_f32(float *residual, const float *x, const float *w, floa
 #pragma omp parallel for if (T * H >= PAR_MIN_ELEMS) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
         float *r = residual + t * H;
-        float *o = out + t * H;
         double ss = 0.0;
         if (x) {
             const float *xr = x + t * H;
@@ -28,13 +39,23 @@ void cbgen_add_rmsnorm_f32(float *residual, const float *x, const float *w, floa
         } else {
             for (int64_t i = 0; i < H; ++i) ss += (double)r[i] * (double)r[i];
         }
-        const float var = (float)(ss / (double)H);
-        const float inv = 1.0f / sqrtf(var + eps);
-        for (int64_t i = 0; i < H; ++i) {
-            const float n = r[i] * inv;
-            o[i] = w[i] * n;
-        }
+        norm_row(r, ss, H, w, eps, out + t * H);
     }
+}
+
+/* The same RMSNorm, in place, over each of the first `heads` heads of D floats of every row of
+ * x [T, >= heads * D] (rows row_stride floats apart), with one weight w [D] for all heads:
+ * Qwen3's and Gemma 3's q and k norms, straight in the rows of the QKV projection. */
+void cbgen_rmsnorm_heads_f32(float *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
+                             const float *w, float eps) {
+#pragma omp parallel for if (T * heads * D >= PAR_MIN_ELEMS) schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+            float *r = x + t * row_stride + h * D;
+            double ss = 0.0;
+            for (int64_t i = 0; i < D; ++i) ss += (double)r[i] * (double)r[i];
+            norm_row(r, ss, D, w, eps, r);
+        }
 }
 
 /* In-place RoPE (rotate-half form) on x [T, heads, D] with row stride row_stride (floats);
