@@ -196,6 +196,33 @@ def test_silu_mul_matches_silu_times_up_to_a_few_ulp() -> None:
     assert got[0, 3] == pytest.approx(float(want[0, 3]), rel=1e-6)
 
 
+@pytest.mark.usefixtures("each_build")
+def test_gelu_tanh_mul_matches_the_tanh_gelu_times_up() -> None:
+    """GeGLU in one pass: against the same function in float64 (as a sigmoid, which keeps its
+    precision where the tanh form cancels) from the float32 inputs, to a few ulp plus what
+    float32 inputs to the cubic cost in the far negative tail; against torch's
+    gelu(approximate="tanh") * up where torch does not cancel; infinities and NaN as torch."""
+    torch.manual_seed(5)
+    for t, i in ((1, 1), (3, 15), (5, 17), (4, 1536)):
+        g = torch.cat(
+            [torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3.0, -3.0, -12.0]), 4 * torch.randn(t * i)]
+        )
+        gu = torch.stack([g[: t * i].view(t, i), torch.randn(t, i)], dim=1).reshape(t, 2 * i)
+        got = kernels.gelu_tanh_mul(gu)
+        gd, ud = gu[:, :i].double(), gu[:, i:].double()
+        z = (8 / torch.pi) ** 0.5 * (gd + 0.044715 * gd**3)
+        want = gd / (1 + torch.exp(-z)) * ud
+        tol = (8 + 4 * z.abs()) * torch.finfo(torch.float32).eps * want.abs() + 1e-35
+        assert ((got.double() - want).abs() <= tol).all(), (t, i)
+        near = gu[:, :i].abs() <= 3
+        reference = torch.nn.functional.gelu(gu[:, :i], approximate="tanh") * gu[:, i:]
+        torch.testing.assert_close(got[near], reference[near], rtol=1e-5, atol=1e-6)
+    special = torch.tensor([[float("inf"), float("-inf"), float("nan"), 2.0, 2.0, 2.0]])
+    got = kernels.gelu_tanh_mul(special)
+    assert got[0, 0] == float("inf") and got[0, 1].isnan() and got[0, 2].isnan()
+    torch.testing.assert_close(CPU_OPS.gelu_tanh_mul(special), got, rtol=0, atol=0, equal_nan=True)
+
+
 def _inverse_cdf_float64(
     logits: torch.Tensor, temperature: float, u: float
 ) -> tuple[int, torch.Tensor, float]:

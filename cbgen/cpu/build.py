@@ -316,6 +316,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cbgen_prefill_kernel_preferred.restype = ctypes.c_int
     lib.cbgen_silu_mul_f32.argtypes = [p, i64, i64, p]
     lib.cbgen_silu_mul_f32.restype = None
+    lib.cbgen_gelu_tanh_mul_f32.argtypes = [p, i64, i64, p]
+    lib.cbgen_gelu_tanh_mul_f32.restype = None
     lib.cbgen_sample_f32.argtypes = [p, i64, i64, i64, p, p, p]
     lib.cbgen_sample_f32.restype = ctypes.c_int
     lib.cbgen_decoder_work_f32.argtypes = [p, i64]

@@ -11,15 +11,16 @@ enough for it) and whose matmuls all go to small_gemm (kernels.small_gemm_max_ro
 other step, and a step a kernel refuses, runs the Python path.
 
 Which models: the plain Llama layer (CausalLM with its MLP; Llama, Mistral, Qwen2 with its QKV
-bias, Qwen3 with its q/k norms, SmolLM2, Phi-3 without partial rotary), float32 weights with
-small_gemm panels. Not Gemma, mixtures of experts or partial rotary: they keep the Python path.
+bias, Qwen3 with its q/k norms, SmolLM2, Phi-3 without partial rotary) and Gemma 2 / 3's (norms
+after each block, GeGLU, soft-capped scores, local RoPE tables), float32 weights with
+small_gemm panels. Not mixtures of experts or partial rotary: they keep the Python path.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -29,6 +30,7 @@ from cbgen.cpu import kernels
 from cbgen.cpu.ops import CPU_OPS
 
 if TYPE_CHECKING:
+    from cbgen.models.gemma import GemmaDecoderLayer, GemmaForCausalLM
     from cbgen.models.llama import MLP, CausalLM
 
 _P = ctypes.c_void_p
@@ -52,6 +54,10 @@ class _Layer(ctypes.Structure):
                 "down",
                 "k_cache",
                 "v_cache",
+                "cos",
+                "sin",
+                "pre_ff_norm",
+                "post_ff_norm",
             )
         ),
         ("window", ctypes.c_int64),
@@ -73,13 +79,12 @@ class _Decoder(ctypes.Structure):
                 "inter",
                 "block_size",
                 "num_slots",
+                "gemma",
             )
         ),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("softcap", ctypes.c_float),
-        ("cos", _P),
-        ("sin", _P),
         ("final_norm", _P),
         ("layer", ctypes.POINTER(_Layer)),
     ]
@@ -92,7 +97,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class NativeDecoder:
     """model's decode forward in one C call; see the module docstring. Build with for_model."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, gemma: bool = False) -> None:
         cfg = model.config
         self.model = model
         self.layers = list(model.decoder_layers)
@@ -102,6 +107,8 @@ class NativeDecoder:
         self.eps = cfg.rms_norm_eps
         self.scale = attn.scale
         self.softcap = attn.logit_softcap or 0.0
+        self.gemma = gemma
+        """Gemma's layers: embedding scale, norms after each block, GeGLU."""
         self.lib = kernels.load_library()
         self._caches: list[torch.Tensor] = []
         self._struct: _Decoder | None = None
@@ -112,62 +119,77 @@ class NativeDecoder:
 
     @classmethod
     def for_model(cls, model: CausalLM) -> NativeDecoder | None:
-        """The decoder for model, or None where it cannot serve: another layer or MLP, other
-        ops, a weight without small_gemm panels, q/k norms, partial rotary, or heads the
-        attention kernel does not hold."""
+        """The decoder for model, or None where it cannot serve: another kind of layer or MLP,
+        other ops, a weight without small_gemm panels, partial rotary, or heads the attention
+        kernel does not hold."""
+        from cbgen.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
         from cbgen.models.llama import MLP, Attention, CausalLM, DecoderLayer
 
-        if (
-            type(model) is not CausalLM
-            or kernels.load_library() is None
-            or model.ops is not CPU_OPS
-        ):
+        kinds = {CausalLM: (DecoderLayer, MLP), GemmaForCausalLM: (GemmaDecoderLayer, GemmaMLP)}
+        kind = kinds.get(type(model))
+        if kind is None or kernels.load_library() is None or model.ops is not CPU_OPS:
             return None
         cfg = model.config
-        if 2 * model.rope.cos.shape[1] != cfg.head_dim:
+        if model.embed_tokens.weight.dtype != torch.float32:
             return None
-        if (
-            model.embed_tokens.weight.dtype != torch.float32
-            or model.rope.cos.dtype != torch.float32
-        ):
-            return None
+        for rope in cls._rope_tables(model):
+            if 2 * rope.cos.shape[1] != cfg.head_dim or rope.cos.dtype != torch.float32:
+                return None
+        first = model.decoder_layers[0].self_attn
         for layer in model.decoder_layers:
             if (
-                type(layer) is not DecoderLayer
+                type(layer) is not kind[0]
                 or type(layer.self_attn) is not Attention
-                or type(layer.mlp) is not MLP
+                or type(layer.mlp) is not kind[1]
             ):
                 return None
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, cast("MLP", layer.mlp)
+            if (attn.scale, attn.logit_softcap) != (first.scale, first.logit_softcap):
+                return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(lin.panels is None or lin.weight.dtype != torch.float32 for lin in linears):
                 return None
             if any(lin.bias is not None for lin in linears[1:]):
                 return None
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
             if (attn.q_norm is None) != (attn.k_norm is None):
                 return None
-            if attn.q_norm is not None and attn.k_norm is not None:
-                norms += [attn.q_norm, attn.k_norm]
             if any(
                 n.weight.dtype != torch.float32
                 or not n.weight.is_contiguous()
                 or n.eps != cfg.rms_norm_eps
-                for n in norms
+                for n in cls._norms(layer)
             ):
                 return None
-        attn = model.decoder_layers[0].self_attn
         # the attention kernel's limits on heads and head size: asked with an empty batch
         probe = kernels.paged_decode_f32(
-            torch.empty(0, attn.num_heads, attn.head_dim),
-            torch.empty(2, 1, 1, attn.num_kv_heads, attn.head_dim),
+            torch.empty(0, first.num_heads, first.head_dim),
+            torch.empty(2, 1, 1, first.num_kv_heads, first.head_dim),
             torch.empty(0, 1, dtype=torch.int32),
             torch.empty(0, dtype=torch.int32),
-            attn.scale,
+            first.scale,
         )
         if probe is None:
             return None
-        return cls(model)
+        return cls(model, gemma=type(model) is GemmaForCausalLM)
+
+    @staticmethod
+    def _rope_tables(model: CausalLM) -> list[Any]:
+        """The RotaryEmbeddings the model's layers read: its own, and Gemma 3's local one."""
+        local = getattr(model, "local_rope", None)
+        return [model.rope] if local is None else [model.rope, local]
+
+    @staticmethod
+    def _norms(layer: Any) -> list[Any]:
+        """Every RMSNorm of a layer the C pass applies."""
+        attn = layer.self_attn
+        names = (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )
+        norms = [getattr(layer, n) for n in names if hasattr(layer, n)]
+        return norms + [n for n in (attn.q_norm, attn.k_norm) if n is not None]
 
     def _bound(self, kv_caches: Sequence[torch.Tensor]) -> bool:
         """The C structs point at these very caches."""
@@ -195,6 +217,7 @@ class NativeDecoder:
             ):
                 return False
         model = self.model
+        tables = self._rope_tables(model)
         array = (_Layer * len(self.layers))()
         for entry, layer, cache in zip(array, self.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, cast("MLP", layer.mlp)
@@ -209,6 +232,13 @@ class NativeDecoder:
             entry.down = _ptr(mlp.down_proj.panels)
             entry.k_cache = _ptr(cache[0])
             entry.v_cache = _ptr(cache[1])
+            # Gemma's sliding layers read the local tables where the model has them
+            rope = tables[-1] if attn.sliding_window is not None else tables[0]
+            entry.cos, entry.sin = _ptr(rope.cos), _ptr(rope.sin)
+            if self.gemma:
+                gemma_layer = cast("GemmaDecoderLayer", layer)
+                entry.pre_ff_norm = _ptr(gemma_layer.pre_feedforward_layernorm.weight)
+                entry.post_ff_norm = _ptr(gemma_layer.post_feedforward_layernorm.weight)
             entry.window = attn.sliding_window or 0
         self._struct = _Decoder(
             layers=len(self.layers),
@@ -219,11 +249,10 @@ class NativeDecoder:
             inter=self.inter,
             block_size=block_size,
             num_slots=first.shape[1] * block_size,
+            gemma=int(self.gemma),
             eps=self.eps,
             scale=self.scale,
             softcap=self.softcap,
-            cos=_ptr(model.rope.cos),
-            sin=_ptr(model.rope.sin),
             final_norm=_ptr(model.norm.weight),
             layer=array,
         )
@@ -261,7 +290,10 @@ class NativeDecoder:
         need = self.lib.cbgen_decoder_work_f32(ctypes.byref(struct), t)
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
-        residual = self.model.embed_tokens(input_ids).contiguous()
+        residual = self.model.embed_tokens(input_ids)
+        if self.gemma:
+            residual = residual * cast("GemmaForCausalLM", self.model).embed_scale(residual.dtype)
+        residual = residual.contiguous()
         out = torch.empty_like(residual)
         blocks, seq_lens = plan.native.blocks.contiguous(), plan.native.seq_lens.contiguous()
         pos, slots = positions.contiguous(), meta.slot_mapping.contiguous()

@@ -617,6 +617,15 @@ def _softcap(logit_softcap: float | None) -> float:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2I] (gate first) float32: one pass, [T, I] out."""
+    return _gated("cbgen_silu_mul_f32", gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) * up, GELU in its tanh approximation (GeGLU), for gate_up as in silu_mul."""
+    return _gated("cbgen_gelu_tanh_mul_f32", gate_up)
+
+
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
     _check("gate_up", gate_up, torch.float32, ("T", "2I"))
     t, two_i = gate_up.shape
     if two_i % 2:
@@ -626,7 +635,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     lib = _library()
     gu = gate_up.contiguous()
     out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    lib.cbgen_silu_mul_f32(gu.data_ptr(), t, two_i // 2, out.data_ptr())
+    getattr(lib, kernel)(gu.data_ptr(), t, two_i // 2, out.data_ptr())
     return out
 
 

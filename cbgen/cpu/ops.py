@@ -1,6 +1,6 @@
 """The decoder's element-wise ops as C kernels (CPU, float32): residual add + RMSNorm in one
 pass, q/k norms and RoPE in place in the QKV rows (RoPE from the float32 tables), and SiLU x up
-in one pass over the gate-up projection. Each rounds as cbgen.models.ops.TorchOps, the reference, does (tests/test_native.py).
+(GELU x up for Gemma) in one pass over the gate-up projection. Each rounds as cbgen.models.ops.TorchOps, the reference, does (tests/test_native.py).
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ class CpuOps:
         return kernels.silu_mul(gate_up)
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """No kernel of its own: the reference's."""
-        return TORCH_OPS.gelu_tanh_mul(gate_up)
+        return kernels.gelu_tanh_mul(gate_up)
 
 
 CPU_OPS = CpuOps()

@@ -95,6 +95,11 @@ class GemmaForCausalLM(CausalLM):
         (what the reference writes as h = residual + norm(block(norm(h))), twice per layer,
         with the same roundings)
         """
+        native = self.native_decoder
+        if native is not None:
+            hidden = native(input_ids, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
         ops, eps = self.ops, self.config.rms_norm_eps
         residual = self.embed_tokens(input_ids)
         residual = residual * self.embed_scale(residual.dtype)

@@ -12,7 +12,13 @@
  *   x = add_rmsnorm(residual += h, post_norm)
  *   h = silu_mul(x @ Wgate_up) @ Wdown
  *
- * and out = add_rmsnorm(residual += h, final_norm). A 30-layer model makes ~270 kernel calls a
+ * and out = add_rmsnorm(residual += h, final_norm). Gemma's layers (gemma set) norm each block's
+ * output too, and the MLP is GeGLU:
+ *
+ *   x = add_rmsnorm(residual += h, input_norm);   h = rmsnorm(attention(x) @ Wo, post_norm)
+ *   x = add_rmsnorm(residual += h, pre_ff_norm);  h = rmsnorm(geglu(x), post_ff_norm)
+ *
+ * with each layer's own RoPE tables (Gemma 3's sliding layers have their own base). A 30-layer model makes ~270 kernel calls a
  * step; from Python each costs its argument checks, a tensor allocation and a ctypes call, while
  * the other core waits in the kernels' thread pool. The caller checks the shapes the kernels
  * hold before it calls; a kernel that still refuses (a slot past the cache, no memory for the
@@ -37,6 +43,7 @@ int cbgen_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cach
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                           const float *bias, float *y);
 void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
+void cbgen_gelu_tanh_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
 
 /* One layer's weights (small_gemm's panels) and its cache. */
 typedef struct {
@@ -45,13 +52,15 @@ typedef struct {
     const float *q_norm, *k_norm;        /* [D] each, or NULL: no q/k norms */
     const float *o, *gate_up, *down;     /* panels of [H, Q], [2 I, H], [H, I] */
     float *k_cache, *v_cache;            /* [num_slots, KV] each */
+    const float *cos, *sin;              /* RoPE tables [positions, head_dim / 2] */
+    const float *pre_ff_norm, *post_ff_norm; /* [H] (gemma) */
     int64_t window;                      /* sliding window, 0: none */
 } cbgen_layer_f32;
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, num_slots;
+    int64_t gemma;             /* Gemma's layers: norms after each block, GeGLU */
     float eps, scale, softcap; /* softcap 0: none */
-    const float *cos, *sin;    /* RoPE tables [positions, head_dim / 2] */
     const float *final_norm;   /* [H] */
     const cbgen_layer_f32 *layer;
 } cbgen_decoder_f32;
@@ -59,7 +68,7 @@ typedef struct {
 /* Floats of workspace a call over T tokens needs. */
 int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T) {
     const int64_t q = m->heads * m->head_dim, kv = m->kv_heads * m->head_dim;
-    return T * (2 * m->hidden + (q + 2 * kv) + q + 3 * m->inter);
+    return T * (3 * m->hidden + (q + 2 * kv) + q + 3 * m->inter);
 }
 
 /* residual [T, H]: the tokens' embeddings in, the residual stream out; out [T, H]: the hidden
@@ -72,8 +81,8 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
                               const int32_t *seq_lens, float *work, float *out) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->inter;
     const int64_t q = m->heads * D, kv = m->kv_heads * D, row = q + 2 * kv;
-    float *x = work, *h = x + T * H, *qkv = h + T * H, *o = qkv + T * row, *gu = o + T * q,
-          *act = gu + T * 2 * I;
+    float *x = work, *h = x + T * H, *a = h + T * H, *qkv = a + T * H, *o = qkv + T * row,
+          *gu = o + T * q, *act = gu + T * 2 * I;
     for (int64_t l = 0; l < m->layers; ++l) {
         const cbgen_layer_f32 *L = m->layer + l;
         cbgen_add_rmsnorm_f32(residual, l ? h : 0, L->input_norm, m->eps, T, H, x);
@@ -82,7 +91,7 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
             cbgen_rmsnorm_heads_f32(qkv, row, T, m->heads, D, L->q_norm, m->eps);
             cbgen_rmsnorm_heads_f32(qkv + q, row, T, m->kv_heads, D, L->k_norm, m->eps);
         }
-        cbgen_rope_f32(qkv, row, T, m->heads + m->kv_heads, D, positions, m->cos, m->sin);
+        cbgen_rope_f32(qkv, row, T, m->heads + m->kv_heads, D, positions, L->cos, L->sin);
         int rc = cbgen_write_kv_f32(qkv + q, row, qkv + q + kv, row, L->k_cache, L->v_cache,
                                     m->num_slots, slots, T, kv);
         if (rc) return rc;
@@ -90,11 +99,21 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
                                     seq_lens, T, m->heads, m->kv_heads, D, m->block_size,
                                     m->scale, L->window, m->softcap, o);
         if (rc) return rc;
-        cbgen_small_gemm_f32(o, T, q, L->o, H, 0, h);
-        cbgen_add_rmsnorm_f32(residual, h, L->post_norm, m->eps, T, H, x);
-        cbgen_small_gemm_f32(x, T, H, L->gate_up, 2 * I, 0, gu);
-        cbgen_silu_mul_f32(gu, T, I, act);
-        cbgen_small_gemm_f32(act, T, I, L->down, H, 0, h);
+        if (m->gemma) {
+            cbgen_small_gemm_f32(o, T, q, L->o, H, 0, a);
+            cbgen_add_rmsnorm_f32(a, 0, L->post_norm, m->eps, T, H, h);
+            cbgen_add_rmsnorm_f32(residual, h, L->pre_ff_norm, m->eps, T, H, x);
+            cbgen_small_gemm_f32(x, T, H, L->gate_up, 2 * I, 0, gu);
+            cbgen_gelu_tanh_mul_f32(gu, T, I, act);
+            cbgen_small_gemm_f32(act, T, I, L->down, H, 0, a);
+            cbgen_add_rmsnorm_f32(a, 0, L->post_ff_norm, m->eps, T, H, h);
+        } else {
+            cbgen_small_gemm_f32(o, T, q, L->o, H, 0, h);
+            cbgen_add_rmsnorm_f32(residual, h, L->post_norm, m->eps, T, H, x);
+            cbgen_small_gemm_f32(x, T, H, L->gate_up, 2 * I, 0, gu);
+            cbgen_silu_mul_f32(gu, T, I, act);
+            cbgen_small_gemm_f32(act, T, I, L->down, H, 0, h);
+        }
     }
     cbgen_add_rmsnorm_f32(residual, m->layers ? h : 0, m->final_norm, m->eps, T, H, out);
     return 0;
