@@ -90,10 +90,6 @@ class _Decoder(ctypes.Structure):
     ]
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class NativeDecoder:
     """model's decode forward in one C call; see the module docstring. Build with for_model."""
 
@@ -113,6 +109,7 @@ class NativeDecoder:
         self._caches: list[torch.Tensor] = []
         self._struct: _Decoder | None = None
         self._layer_array: ctypes.Array[_Layer] | None = None
+        self._pinned: list[torch.Tensor] = []
         self._work = torch.empty(0, dtype=torch.float32)
         self.calls = 0
         """Forward passes this decoder ran (a diagnostic: tests check it served)."""
@@ -218,27 +215,36 @@ class NativeDecoder:
                 return False
         model = self.model
         tables = self._rope_tables(model)
+        # every tensor the structs point into stays referenced as long as they do
+        pinned: list[torch.Tensor] = []
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            pinned.append(t)
+            return t.data_ptr()
+
         array = (_Layer * len(self.layers))()
         for entry, layer, cache in zip(array, self.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, cast("MLP", layer.mlp)
-            entry.input_norm = _ptr(layer.input_layernorm.weight)
-            entry.post_norm = _ptr(layer.post_attention_layernorm.weight)
-            entry.qkv = _ptr(attn.qkv_proj.panels)
-            entry.qkv_bias = _ptr(attn.qkv_proj.bias)
-            entry.q_norm = _ptr(None if attn.q_norm is None else attn.q_norm.weight)
-            entry.k_norm = _ptr(None if attn.k_norm is None else attn.k_norm.weight)
-            entry.o = _ptr(attn.o_proj.panels)
-            entry.gate_up = _ptr(mlp.gate_up_proj.panels)
-            entry.down = _ptr(mlp.down_proj.panels)
-            entry.k_cache = _ptr(cache[0])
-            entry.v_cache = _ptr(cache[1])
+            entry.input_norm = ptr(layer.input_layernorm.weight)
+            entry.post_norm = ptr(layer.post_attention_layernorm.weight)
+            entry.qkv = ptr(attn.qkv_proj.panels)
+            entry.qkv_bias = ptr(attn.qkv_proj.bias)
+            entry.q_norm = ptr(None if attn.q_norm is None else attn.q_norm.weight)
+            entry.k_norm = ptr(None if attn.k_norm is None else attn.k_norm.weight)
+            entry.o = ptr(attn.o_proj.panels)
+            entry.gate_up = ptr(mlp.gate_up_proj.panels)
+            entry.down = ptr(mlp.down_proj.panels)
+            entry.k_cache = ptr(cache[0])
+            entry.v_cache = ptr(cache[1])
             # Gemma's sliding layers read the local tables where the model has them
             rope = tables[-1] if attn.sliding_window is not None else tables[0]
-            entry.cos, entry.sin = _ptr(rope.cos), _ptr(rope.sin)
+            entry.cos, entry.sin = ptr(rope.cos), ptr(rope.sin)
             if self.gemma:
                 gemma_layer = cast("GemmaDecoderLayer", layer)
-                entry.pre_ff_norm = _ptr(gemma_layer.pre_feedforward_layernorm.weight)
-                entry.post_ff_norm = _ptr(gemma_layer.post_feedforward_layernorm.weight)
+                entry.pre_ff_norm = ptr(gemma_layer.pre_feedforward_layernorm.weight)
+                entry.post_ff_norm = ptr(gemma_layer.post_feedforward_layernorm.weight)
             entry.window = attn.sliding_window or 0
         self._struct = _Decoder(
             layers=len(self.layers),
@@ -253,10 +259,11 @@ class NativeDecoder:
             eps=self.eps,
             scale=self.scale,
             softcap=self.softcap,
-            final_norm=_ptr(model.norm.weight),
+            final_norm=ptr(model.norm.weight),
             layer=array,
         )
         self._layer_array = array
+        self._pinned = pinned
         self._caches = list(kv_caches)
         return True
 
