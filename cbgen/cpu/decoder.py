@@ -1,5 +1,5 @@
 """A decode step's whole forward pass in one C call (cbgen/cpu/csrc/decoder.c), for Llama-type
-models on the CPU in float32.
+and Gemma models on the CPU in float32.
 
 With the cpu ops and the cpu attention backend, CausalLM.forward makes ~9 kernel calls a layer
 (~270 a step for SmolLM2's 30 layers); from Python each also pays its argument checks, a tensor
