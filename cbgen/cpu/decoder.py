@@ -1,9 +1,9 @@
 """A decode step's whole forward pass in one C call (cbgen/cpu/csrc/decoder.c), for Llama-type
 and Gemma models on the CPU in float32.
 
-With the cpu ops and the cpu attention backend, CausalLM.forward makes ~9 kernel calls a layer
-(~270 a step for SmolLM2's 30 layers); from Python each also pays its argument checks, a tensor
-allocation, a module call and ctypes, while the kernels' other thread waits. NativeDecoder
+With the cpu ops and the cpu attention backend, CausalLM.forward_layers makes ~9 kernel calls a
+layer (~270 a step for SmolLM2's 30 layers); from Python each also pays its argument checks, a
+tensor allocation, a module call and ctypes, while the kernels' other thread waits. NativeDecoder
 makes the same calls, in the same order, on the same kinds of buffers, from C: the hidden
 states are bit for bit the Python path's (tests/test_native_decoder.py). It serves the steps
 whose every token the attention's C decode kernel takes (decodes, and prompt chunks small
@@ -274,7 +274,7 @@ class NativeDecoder:
         kv_caches: Sequence[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:
-        """The hidden states [T, hidden] after the final norm, as CausalLM.forward returns them;
+        """The hidden states [T, hidden] after the final norm, as CausalLM.forward_layers returns them;
         None, having changed nothing the Python path would not redo, for a step it does not
         serve."""
         plan = meta.state

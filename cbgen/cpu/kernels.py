@@ -376,9 +376,8 @@ def head_i16(
     _check("hidden", hidden, torch.float32, ("M", k))
     m = hidden.shape[0]
     lib = _library()
-    if levels != lib.cbgen_head_i16_levels(
-        k
-    ):  # the hidden state's scale keeps sums below 2^31 for it
+    # the hidden state's scale keeps the int32 sums below 2^31 for that range only
+    if levels != lib.cbgen_head_i16_levels(k):
         raise ValueError(f"levels: {levels} is not what head_i16_pack packs a hidden size {k} with")
     _check("scratch", scratch, torch.float32)
     _check_contiguous("scratch", scratch)

@@ -46,7 +46,7 @@ class GemmaDecoderLayer(DecoderLayer):
 
 
 class GemmaForCausalLM(CausalLM):
-    """Gemma 2 / Gemma 3 text: CausalLM's weights, packing and LM head, Gemma's forward."""
+    """Gemma 2 / Gemma 3 text: CausalLM's weights, packing and LM head, Gemma's layers."""
 
     layer_class = GemmaDecoderLayer
 
@@ -80,7 +80,7 @@ class GemmaForCausalLM(CausalLM):
         embedding's dtype (55.4256 becomes 55.5 in bfloat16)."""
         return float(torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(dtype))
 
-    def forward(
+    def forward_layers(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
@@ -95,11 +95,6 @@ class GemmaForCausalLM(CausalLM):
         (what the reference writes as h = residual + norm(block(norm(h))), twice per layer,
         with the same roundings)
         """
-        native = self.native_decoder
-        if native is not None:
-            hidden = native(input_ids, positions, kv_caches, meta)
-            if hidden is not None:
-                return hidden
         ops, eps = self.ops, self.config.rms_norm_eps
         residual = self.embed_tokens(input_ids)
         residual = residual * self.embed_scale(residual.dtype)

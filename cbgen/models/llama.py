@@ -256,16 +256,28 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, in the residual-stream form:
-
-            residual += h;  x = norm(residual);  h = block(x)
-        (what the reference writes as h = residual + block(norm(h)), with the same roundings)
-        """
+        """Hidden states [T, hidden] after the final norm: from the native decoder's one C
+        call where it serves the step, else from forward_layers."""
         native = self.native_decoder
         if native is not None:
             hidden = native(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden
+        return self.forward_layers(input_ids, positions, kv_caches, meta, backend)
+
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """The layers from Python, in the residual-stream form:
+
+            residual += h;  x = norm(residual);  h = block(x)
+        (what the reference writes as h = residual + block(norm(h)), with the same roundings)
+        """
         ops, eps = self.ops, self.config.rms_norm_eps
         residual = self.embed_tokens(input_ids)
         rope = ops.rope_tables(self.rope.cos, self.rope.sin, positions, residual.dtype)

@@ -1,5 +1,5 @@
 /* A whole forward pass of a Llama-type (or Gemma) decoder over a batch of decode tokens, in one
- * call: the same kernels, in the same order, on the same buffers as CausalLM.forward (Gemma's)
+ * call: the same kernels, in the same order, on the same buffers as CausalLM.forward_layers (Gemma's)
  * with the cpu ops and the cpu attention backend, so its hidden states are bit for bit that
  * path's. Per layer, with residual, x, h [T, H]:
  *
