@@ -481,6 +481,26 @@ def test_small_gemm_matches_matmul_and_a_row_never_depends_on_the_batch(n: int, 
     assert torch.equal(kernels.small_gemm(x[:29], panels, bias), alone)
 
 
+@pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize(("n", "k"), [(64, 40), (96, 577)])
+def test_small_gemm_tall_batches_give_every_row_the_bits_it_gets_alone(n: int, k: int) -> None:
+    """From 96 rows (AVX2) or 256 (AVX-512) on, rows go through small_gemm in packed blocks:
+    the same in-order sums, so a prompt chunk of any size gives each row the bits of a decode
+    batch of one, blocks and tiles cut anywhere (a last tile of one row, of a full tile)."""
+    torch.manual_seed(7)
+    weight, bias = torch.randn(n, k), torch.randn(n)
+    panels = kernels.pack_panels(weight)
+    assert panels is not None
+    x = torch.randn(530, k)
+    alone = torch.cat([kernels.small_gemm(x[i : i + 1], panels, bias) for i in range(530)])
+    for m in (95, 96, 97, 101, 255, 256, 257, 263, 530):
+        got = kernels.small_gemm(x[:m], panels, bias)
+        assert torch.equal(got, alone[:m]), m
+    torch.testing.assert_close(alone, x @ weight.T + bias, rtol=1e-5, atol=1e-4)
+    # rows past the batch are never written: the output is exactly [M, N]
+    assert kernels.small_gemm(x[:97], panels, None).shape == (97, n)
+
+
 def test_small_gemm_needs_whole_panels() -> None:
     assert kernels.pack_panels(torch.randn(100, 64)) is None
     assert kernels.pack_panels(torch.randn(96, 64).double()) is None

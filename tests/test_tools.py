@@ -100,13 +100,19 @@ def test_head_bench_times_both_heads_and_checks_their_tokens(
             "Python forward",
             marks=pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler"),
         ),
+        pytest.param(
+            "--alternate-matmul=1",
+            r"small_gemm up to \d+ rows",
+            "small_gemm up to 1 rows",
+            marks=pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler"),
+        ),
     ],
 )
 def test_profile_step_alternates_two_paths(
     flag: str, with_it: str, without: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The exact LM head against the float32 one; the forward pass in one C call against the
-    Python one."""
+    Python one; small_gemm up to the tuned row count against oneDNN past one row."""
     profile_step.main(
         [
             "--model", "tiny-llama", "--load-format", "dummy", "--num-threads", "1",
@@ -114,7 +120,10 @@ def test_profile_step_alternates_two_paths(
             "--kv-cache-memory", str(1 << 20), flag,
         ]
     )  # fmt: skip
+    kernels.set_small_gemm_max_rows(None)
     out = capsys.readouterr().out
+    # the prompts' step went to one of the two
+    assert re.search(r"steps with prompt tokens [\d.]+ tokens/s \(1 steps, \d+ tokens\)", out), out
     # steps 0-1 with it, 2-3 without, ...: of the 8 full decode steps (1-8), 4 each
     for label in (with_it, without):
         assert re.search(rf"{label}: full decode step median [\d.]+ ms \(4 steps\)", out), out
@@ -125,6 +134,8 @@ def test_profile_step_rejects_two_profilers() -> None:
         profile_step.parse_args(["--torch-profile", "--cprofile"])
     with pytest.raises(SystemExit):
         profile_step.parse_args(["--alternate-head", "--alternate-decoder"])
+    with pytest.raises(SystemExit):
+        profile_step.parse_args(["--alternate-decoder", "--alternate-matmul", "64"])
 
 
 def step(prefill: int, decode: int, scheduled: int, duration_s: float) -> StepStats:

@@ -3,6 +3,7 @@
     python -m tools.profile_step --num 64 --prompt 88 --output 128 [--temperature 1] [--torch-profile | --cprofile]
     python -m tools.profile_step --alternate-head   # the exact LM head against the float32 one
     python -m tools.profile_step --alternate-decoder   # the forward pass in one C call or from Python
+    python -m tools.profile_step --alternate-matmul 256   # small_gemm at every size, or oneDNN past 256 rows
 
 --torch-profile sees torch ops only; --cprofile also times the C kernels (called through ctypes),
 per call site. Either profiles --profile-steps steps (10) after the first --profile-after steps;
@@ -16,10 +17,12 @@ import cProfile
 import pstats
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
 from cbgen.config import EngineConfig, SamplingParams
+from cbgen.cpu import kernels
 from cbgen.engine.engine import Engine
 from cbgen.engine.outputs import StepStats
 
@@ -104,11 +107,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="steps alternate between the forward pass in one C call (cbgen.cpu.decoder) and the "
         "Python one, two at a time; prints the full decode steps' median of each",
     )
+    ap.add_argument(
+        "--alternate-matmul",
+        type=int,
+        metavar="ROWS",
+        help="steps alternate between the matmuls' tuned split (small_gemm up to "
+        "small_gemm_max_rows) and small_gemm up to ROWS rows, oneDNN past them, two at a time; "
+        "prints both medians and the prompt steps' tokens/s of each",
+    )
     args = ap.parse_args(argv)
     if args.torch_profile and args.cprofile:
         ap.error("choose one of --torch-profile and --cprofile")
-    if args.alternate_head and args.alternate_decoder:
-        ap.error("choose one of --alternate-head and --alternate-decoder")
+    if sum(map(bool, (args.alternate_head, args.alternate_decoder, args.alternate_matmul))) > 1:
+        ap.error("choose one of --alternate-head, --alternate-decoder and --alternate-matmul")
     return args
 
 
@@ -144,21 +155,33 @@ def main(argv: list[str] | None = None) -> None:
     window = range(args.profile_after, args.profile_after + args.profile_steps)
     steps: list[StepStats] = []
     model = engine.runner.model
-    # (attribute, its value, what the steps with it are called, what the others are)
-    alternate: tuple[str, object, str, str] | None = None
+    # (switch a path on or off, what the steps with it are called, what the others are)
+    alternate: tuple[Callable[[bool], None], str, str] | None = None
     if args.alternate_head:
         if model.exact_head is None:
             raise SystemExit("--alternate-head: this model and CPU have no exact LM head")
         alternate = (
-            "exact_head",
-            model.exact_head,
+            switch(model, "exact_head"),
             type(model.exact_head).__name__,
             "float32 head",
         )
     if args.alternate_decoder:
         if model.native_decoder is None:
             raise SystemExit("--alternate-decoder: this model and CPU have no native decoder")
-        alternate = ("native_decoder", model.native_decoder, "one C call", "Python forward")
+        alternate = (switch(model, "native_decoder"), "one C call", "Python forward")
+    if args.alternate_matmul is not None:
+        tuned = kernels.small_gemm_max_rows()
+        if tuned == 0:
+            raise SystemExit("--alternate-matmul: no native kernels here")
+
+        def split(on: bool) -> None:
+            kernels.set_small_gemm_max_rows(tuned if on else args.alternate_matmul)
+
+        alternate = (
+            split,
+            f"small_gemm up to {tuned} rows",
+            f"small_gemm up to {args.alternate_matmul} rows",
+        )
     with_it: list[bool] = []
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -166,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             profiler.start()
         if alternate is not None:
             with_it.append(len(steps) // 2 % 2 == 0)
-            setattr(model, alternate[0], alternate[1] if with_it[-1] else None)
+            alternate[0](with_it[-1])
         steps.append(engine.step().stats)
         if profiler is not None and len(steps) == window.stop:
             profiler.stop(steps[window.start :])
@@ -189,17 +212,34 @@ def main(argv: list[str] | None = None) -> None:
     if full:
         print(f"full decode step median {1000 * full[len(full) // 2]:.1f} ms ({len(full)} steps)")
     if alternate is not None:
-        for label, on in ((alternate[2], True), (alternate[3], False)):
+        for label, on in ((alternate[1], True), (alternate[2], False)):
+            mine = [s for s, h in zip(steps, with_it, strict=True) if h is on]
             times = sorted(
                 s.duration_s
-                for s, h in zip(steps, with_it, strict=True)
-                if h is on
-                and s.num_prefill_tokens == 0
-                and s.num_decode_tokens == args.max_num_seqs
+                for s in mine
+                if s.num_prefill_tokens == 0 and s.num_decode_tokens == args.max_num_seqs
             )
             if times:
                 median = 1000 * times[len(times) // 2]
                 print(f"  {label}: full decode step median {median:.1f} ms ({len(times)} steps)")
+            prompt = [s for s in mine if s.num_prefill_tokens > 0]
+            if prompt:
+                tokens = sum(s.num_prefill_tokens + s.num_decode_tokens for s in prompt)
+                seconds = sum(s.duration_s for s in prompt)
+                print(
+                    f"  {label}: steps with prompt tokens {tokens / seconds:.1f} tokens/s "
+                    f"({len(prompt)} steps, {tokens} tokens)"
+                )
+
+
+def switch(model: object, attribute: str) -> Callable[[bool], None]:
+    """Sets model.attribute to its present value (on) or None (off)."""
+    value = getattr(model, attribute)
+
+    def set_it(on: bool) -> None:
+        setattr(model, attribute, value if on else None)
+
+    return set_it
 
 
 if __name__ == "__main__":

@@ -423,9 +423,10 @@ def small_gemm_max_rows() -> int:
     machine's build (0 without the kernels); the build answers, since the tiles are chosen per
     ISA when it is compiled. With AVX-512 (16-row tiles, measured over a whole model's layers
     from cold caches: 1.6x at 1 row, 1.4x at 8, 1.1-1.2x at 29-512, even at 640, 2 % slower at
-    1024) and with AVX2 (6-row tiles): docs/PERFORMANCE.md. Decode batches and the mixed steps
-    of chunked prefill take small_gemm; long prompt chunks go to oneDNN. The loader replaces
-    the build's default by what cbgen.cpu.tuning measured on this machine."""
+    1024) and with AVX2 (6-row tiles; in packed row blocks from 96 rows on par with oneDNN up
+    to 2,048): docs/PERFORMANCE.md. Decode batches and the mixed steps of chunked prefill take
+    small_gemm, and on AVX2 whole prompt chunks too; past this, oneDNN. The loader replaces the
+    build's default by what cbgen.cpu.tuning measured on this machine."""
     return _build_max_rows() if _max_rows_measured is None else _max_rows_measured
 
 

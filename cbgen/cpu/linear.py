@@ -2,7 +2,8 @@
 kernel that serves a batch of its size, and an LM head from a bfloat16 copy (where the CPU has
 bf16 dot products) or an int16 copy (AVX2) that returns the float32 head's tokens.
 
-    rows <= small_gemm_max_rows() cbgen.cpu.kernels.small_gemm over 32-column panels
+    rows <= small_gemm_max_rows() cbgen.cpu.kernels.small_gemm over 32-column panels (tuned
+                                  per machine; up to 2,048 rows where AVX2 is the ISA)
     more rows                     oneDNN's packed matmul (torch.ops.mkldnn)
     neither packed                torch's F.linear
     weight stored in bf16/fp16    upcast_linear: float32 matmuls over the weight upcast a chunk

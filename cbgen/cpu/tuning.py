@@ -37,11 +37,12 @@ from cbgen.cpu.linear import (
 
 logger = logging.getLogger("cbgen")
 
-VERSION = 2
+VERSION = 3
 """Bumped when what is measured changes: an older file is measured again."""
 
-ROWS: tuple[int, ...] = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
-"""The row counts the pass tries (decode batches and the mixed steps of chunked prefill)."""
+ROWS: tuple[int, ...] = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 2048)
+"""The row counts the pass tries (decode batches, the mixed steps of chunked prefill, and a
+whole default step budget of prompt tokens)."""
 
 SHAPE = (1536, 576)
 """[N, K] of the weight timed: a 135M-class MLP projection, whose panels (3.5 MiB) outgrow

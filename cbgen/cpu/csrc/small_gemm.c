@@ -31,12 +31,14 @@
  * Each output is one sum over k in order, whatever M is: a row's result does not depend on the
  * other rows in the batch, nor on the ISA (the panels and the order of the FMAs are the same).
  */
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define VW 8 /* floats a vector register holds */
 #define MR_MAX 6
-#define MAX_ROWS 256 /* even with oneDNN from 128 rows on (within noise) */
+#define MAX_ROWS 2048 /* the blocked path below beats oneDNN from 16 rows to 2048 */
 #define PREFETCH_REST(p) /* a tile's 16 columns are one cache line */
 #else
 #define VW 16
@@ -118,9 +120,126 @@ static const kern_fn KERNS[MR_MAX + 1] = {0, kern_1, kern_2, kern_3, kern_4, ker
 #endif
 };
 
+/* Tall batches (prompt chunks, BLOCKED_ROWS rows or more). Above, every panel is loaded from L2
+ * once per row tile while the rows stream from wherever x is; with a few hundred rows or more,
+ * x no longer fits in L2 and each panel pass reads all of it again, strided, from L3. So here
+ * the rows go in blocks (block_rows): each thread copies a block into its own buffer, tile by tile with
+ * the MR_MAX rows of a k side by side (ap[t][k][r], zeros past the last row), so the kernel's
+ * broadcasts walk one contiguous run that stays in L1 for both halves of a panel, and the block
+ * (up to BLOCK_FLOATS) in L2 for every panel of the thread. The weights, not x, then stream from L3,
+ * once per block. Each output is the same in-order sum over k as above, the same FMAs on the
+ * same values: both paths give the same bits, whatever the batch's size. */
+#define BLOCKED_ROWS (16 * MR_MAX) /* from here on the blocked path: 96 (AVX2) or 256 rows */
+#define BLOCK_FLOATS (128 * 1024)  /* a block's size, 512 KiB: half an L2 of 1 MiB */
+#define MC_MAX (24 * MR_MAX)       /* rows per block at most */
+
+/* Rows per block for K: as many whole tiles as BLOCK_FLOATS holds, one at least. */
+static int64_t block_rows(int64_t K) {
+    const int64_t mc = BLOCK_FLOATS / K / MR_MAX * MR_MAX;
+    return mc < MR_MAX ? MR_MAX : mc > MC_MAX ? MC_MAX : mc;
+}
+
+#define PACKED_STEP(r)                                                                       \
+    {                                                                                        \
+        const float xv = ap[k * MR_MAX + (r)];                                               \
+        a0[r] += xv * b0;                                                                    \
+        a1[r] += xv * b1;                                                                    \
+    }
+
+static void kern_packed(const float *ap, int64_t K, const float *panel, const float *bias,
+                        float *y, int64_t ldy, int64_t rows) {
+    vec a0[MR_MAX], a1[MR_MAX];
+    _Pragma("GCC unroll 16") for (int r = 0; r < MR_MAX; ++r) {
+        a0[r] = (vec){0};
+        a1[r] = (vec){0};
+    }
+    _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; ++k) {
+        const vec b0 = *(const vecu *)(panel + k * NR);
+        const vec b1 = *(const vecu *)(panel + k * NR + VW);
+        _Pragma("GCC unroll 16") for (int r = 0; r < MR_MAX; ++r) PACKED_STEP(r)
+    }
+    if (bias) {
+        const vec c0 = *(const vecu *)bias, c1 = *(const vecu *)(bias + VW);
+        _Pragma("GCC unroll 16") for (int r = 0; r < MR_MAX; ++r) {
+            a0[r] += c0;
+            a1[r] += c1;
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < MR_MAX; ++r) {
+        if (r < rows) {
+            *(vecu *)(y + r * ldy) = a0[r];
+            *(vecu *)(y + r * ldy + VW) = a1[r];
+        }
+    }
+}
+
+/* The calling thread's block buffers (`floats` of them), grown as needed and kept for its next
+ * call; NULL when memory runs out (the rows then take the path above). */
+static float *block_buffers(int64_t floats) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (cap < floats) {
+        void *p;
+        if (posix_memalign(&p, 64, (size_t)floats * sizeof(float))) return 0;
+        free(buf);
+        buf = p;
+        cap = floats;
+    }
+    return buf;
+}
+
+/* Rows [0, rows) of x packed tile by tile: ap[t][k][r] = x[t * MR_MAX + r][k], 0 past `rows`. */
+static void pack_block(const float *x, int64_t rows, int64_t K, float *ap) {
+    for (int64_t t = 0; t * MR_MAX < rows; ++t) {
+        float *d = ap + t * K * MR_MAX;
+        const float *s = x + t * MR_MAX * K;
+        if (rows - t * MR_MAX >= MR_MAX) {
+            for (int64_t k = 0; k < K; ++k)
+                _Pragma("GCC unroll 16") for (int r = 0; r < MR_MAX; ++r) d[k * MR_MAX + r] =
+                    s[r * K + k];
+        } else {
+            for (int64_t k = 0; k < K; ++k)
+                for (int r = 0; r < MR_MAX; ++r)
+                    d[k * MR_MAX + r] = t * MR_MAX + r < rows ? s[r * K + k] : 0.0f;
+        }
+    }
+}
+
+static void small_gemm_blocked(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
+                               const float *bias, float *y, float *bufs, int threads) {
+    const int64_t P = N / NR;
+    const int64_t mc = block_rows(K);
+#pragma omp parallel num_threads(threads)
+    {
+        float *ap = bufs + omp_get_thread_num() * mc * K;
+        for (int64_t i0 = 0; i0 < M; i0 += mc) {
+            const int64_t rows = M - i0 < mc ? M - i0 : mc;
+            pack_block(x + i0 * K, rows, K, ap);
+            /* the same panels go to the same thread in every block: no barrier needed */
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < P; ++p) {
+                const float *panel = wp + p * K * NR;
+                const float *b = bias ? bias + p * NR : 0;
+                for (int64_t t = 0; t * MR_MAX < rows; ++t)
+                    for (int64_t c = 0; c < NR; c += TN)
+                        kern_packed(ap + t * K * MR_MAX, K, panel + c, b ? b + c : 0,
+                                    y + (i0 + t * MR_MAX) * N + p * NR + c, N, rows - t * MR_MAX);
+            }
+        }
+    }
+}
+
 /* x [M, K] and y [M, N] contiguous, N a multiple of 32, bias [N] or NULL. */
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                           const float *bias, float *y) {
+    if (M >= BLOCKED_ROWS) {
+        const int threads = omp_get_max_threads();
+        float *bufs = block_buffers(threads * block_rows(K) * K);
+        if (bufs) {
+            small_gemm_blocked(x, M, K, wp, N, bias, y, bufs, threads);
+            return;
+        }
+    }
     const int64_t P = N / NR;
     /* tile t takes rows [m, m + rows): the rows left shared evenly by the tiles left */
     const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;
