@@ -18,6 +18,24 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+def test_blocks_start_where_they_stop_losing_for_good() -> None:
+    rows = [8, 16, 32, 64]
+    assert tuning.blocked_from(rows, [1, 2, 4, 8], [2, 2, 3, 7]) == 16  # ties count as no loss
+    assert tuning.blocked_from(rows, [1, 2, 4, 8], [0.5, 3, 3, 7]) == 32  # a win below a loss
+    assert tuning.blocked_from(rows, [1, 2, 4, 8], [2, 3, 5, 9]) == 0  # the build's default
+    assert tuning.blocked_from(rows, [1, 2, 4, 8], [1, 2, 4, 8]) == 8
+
+
+@needs_kernels
+def test_measure_blocked_times_both_paths_and_leaves_the_switch_as_it_was() -> None:
+    before = kernels.small_gemm_blocked_rows()
+    got = tuning.measure_blocked(reps=1)
+    assert got is not None and kernels.small_gemm_blocked_rows() == before
+    tiles, blocked = got
+    assert len(tiles) == len(blocked) == len(tuning.BLOCKED_TRIED)
+    assert all(0 < t < 5 for t in (*tiles, *blocked))
+
+
 def test_crossover_keeps_the_largest_row_count_before_the_first_loss() -> None:
     rows = [16, 32, 64, 128]
     assert tuning.crossover(rows, [1, 2, 4, 8], [2, 3, 4, 9]) == 128
@@ -62,6 +80,7 @@ def test_tune_times_the_int16_head_where_it_is_a_choice(
     """The faster head is kept with its timings; where the int16 head is no choice (None: not in
     the build, or bf16 dot products) it is neither timed nor taken, even from a file that says so."""
     monkeypatch.setattr(tuning, "measure", lambda reps=5: ([1.0], [2.0]))
+    monkeypatch.setattr(tuning, "measure_blocked", lambda reps=5: None)
     monkeypatch.setattr(tuning, "_load_per_cpu", lambda: 0.0)
     for times, want in (((2.0, 1.0), True), ((1.0, 2.0), False)):
         monkeypatch.setattr(tuning, "measure_head", lambda reps=5, t=times: t)
@@ -157,20 +176,26 @@ def test_apply_sets_the_threshold_and_the_start_up_line_names_it(
                 "small_gemm_max_rows": 48,
                 "source": "measured",
                 "int16_head": False,
+                "blocked_rows": 24,
             }
         )
     )
     monkeypatch.setenv("CBGEN_CPU_TUNING", "on")
     monkeypatch.setattr(tuning, "_applied", [])
+    default_blocks = kernels.small_gemm_blocked_rows()
     try:
         got = tuning.apply()
-        assert got == tuning.Tuning(48, "measured") and kernels.small_gemm_max_rows() == 48
+        assert got == tuning.Tuning(48, "measured", False, 24)
+        assert kernels.small_gemm_max_rows() == 48 and kernels.small_gemm_blocked_rows() == 24
         assert tuning.apply() is got and tuning.applied() is got
         from cbgen.engine.engine import Engine
 
-        assert Engine._native_line().endswith(", small_gemm up to 48 rows (measured)")
+        line = ", small_gemm up to 48 rows (row blocks from 24) (measured)"
+        assert Engine._native_line().endswith(line)
     finally:
         kernels.set_small_gemm_max_rows(None)
+        kernels.set_small_gemm_blocked_rows(None)
+    assert kernels.small_gemm_blocked_rows() == default_blocks
 
 
 def test_the_busy_share_is_what_the_cpus_did_while_the_pass_waited(

@@ -484,7 +484,8 @@ def test_small_gemm_matches_matmul_and_a_row_never_depends_on_the_batch(n: int, 
 @pytest.mark.usefixtures("each_build")
 @pytest.mark.parametrize(("n", "k"), [(64, 40), (96, 577)])
 def test_small_gemm_tall_batches_give_every_row_the_bits_it_gets_alone(n: int, k: int) -> None:
-    """From 96 rows (AVX2) or 256 (AVX-512) on, rows go through small_gemm in packed blocks:
+    """From 96 rows (AVX2) or 256 (AVX-512) on (the build's default), rows go through
+    small_gemm in packed blocks:
     the same in-order sums, so a prompt chunk of any size gives each row the bits of a decode
     batch of one, blocks and tiles cut anywhere (a last tile of one row, of a full tile)."""
     torch.manual_seed(7)
@@ -496,6 +497,13 @@ def test_small_gemm_tall_batches_give_every_row_the_bits_it_gets_alone(n: int, k
     for m in (95, 96, 97, 101, 255, 256, 257, 263, 530):
         got = kernels.small_gemm(x[:m], panels, bias)
         assert torch.equal(got, alone[:m]), m
+    # the tuning pass may start the blocks at any decode size: the same bits there too
+    try:
+        kernels.set_small_gemm_blocked_rows(1)
+        for m in (1, 5, 6, 7, 16, 17, 64):
+            assert torch.equal(kernels.small_gemm(x[:m], panels, bias), alone[:m]), m
+    finally:
+        kernels.set_small_gemm_blocked_rows(None)
     torch.testing.assert_close(alone, x @ weight.T + bias, rtol=1e-5, atol=1e-4)
     # rows past the batch are never written: the output is exactly [M, N]
     assert kernels.small_gemm(x[:97], panels, None).shape == (97, n)

@@ -4,6 +4,7 @@
     python -m tools.profile_step --alternate-head   # the exact LM head against the float32 one
     python -m tools.profile_step --alternate-decoder   # the forward pass in one C call or from Python
     python -m tools.profile_step --alternate-matmul 256   # small_gemm at every size, or oneDNN past 256 rows
+    python -m tools.profile_step --alternate-blocked 1   # small_gemm's row blocks from the tuned size, or always
 
 --torch-profile sees torch ops only; --cprofile also times the C kernels (called through ctypes),
 per call site. Either profiles --profile-steps steps (10) after the first --profile-after steps;
@@ -115,11 +116,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "small_gemm_max_rows) and small_gemm up to ROWS rows, oneDNN past them, two at a time; "
         "prints both medians and the prompt steps' tokens/s of each",
     )
+    ap.add_argument(
+        "--alternate-blocked",
+        type=int,
+        metavar="ROWS",
+        help="steps alternate between small_gemm's tuned switch to packed row blocks and the "
+        "switch at ROWS rows, two at a time; prints both medians and the prompt steps' tokens/s",
+    )
     args = ap.parse_args(argv)
     if args.torch_profile and args.cprofile:
         ap.error("choose one of --torch-profile and --cprofile")
-    if sum(map(bool, (args.alternate_head, args.alternate_decoder, args.alternate_matmul))) > 1:
-        ap.error("choose one of --alternate-head, --alternate-decoder and --alternate-matmul")
+    chosen = (
+        args.alternate_head,
+        args.alternate_decoder,
+        args.alternate_matmul,
+        args.alternate_blocked,
+    )
+    if sum(a not in (None, False) for a in chosen) > 1:
+        ap.error("choose one of the --alternate-* options")
     return args
 
 
@@ -181,6 +195,19 @@ def main(argv: list[str] | None = None) -> None:
             split,
             f"small_gemm up to {tuned} rows",
             f"small_gemm up to {args.alternate_matmul} rows",
+        )
+    if args.alternate_blocked is not None:
+        blocked = kernels.small_gemm_blocked_rows()
+        if blocked == 0:
+            raise SystemExit("--alternate-blocked: no native kernels here")
+
+        def blocks(on: bool) -> None:
+            kernels.set_small_gemm_blocked_rows(blocked if on else args.alternate_blocked)
+
+        alternate = (
+            blocks,
+            f"row blocks from {blocked} rows",
+            f"row blocks from {args.alternate_blocked} rows",
         )
     with_it: list[bool] = []
     t0 = time.perf_counter()

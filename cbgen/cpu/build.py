@@ -308,6 +308,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cbgen_small_gemm_f32.restype = None
     lib.cbgen_small_gemm_max_rows.argtypes = []
     lib.cbgen_small_gemm_max_rows.restype = i64
+    lib.cbgen_small_gemm_set_blocked_rows.argtypes = [i64]
+    lib.cbgen_small_gemm_set_blocked_rows.restype = None
+    lib.cbgen_small_gemm_blocked_rows.argtypes = []
+    lib.cbgen_small_gemm_blocked_rows.restype = i64
     lib.cbgen_prefill_attention_f32.argtypes = [p, i64, p, p, p, *(i64,) * 6, f32, i64, f32]
     lib.cbgen_prefill_attention_f32.restype = ctypes.c_int
     lib.cbgen_native_prefill_rows.argtypes = []

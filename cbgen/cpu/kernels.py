@@ -445,6 +445,21 @@ def set_small_gemm_max_rows(rows: int | None) -> None:
     _max_rows_measured = rows
 
 
+def small_gemm_blocked_rows() -> int:
+    """From this many rows on, small_gemm copies the rows in blocks that stay in L2 while the
+    weights stream past (0 without the kernels); fewer rows stream from where they are while
+    each weight panel sits in L2 and the next is prefetched. Both give the same bits."""
+    lib = load_library()
+    return 0 if lib is None else int(lib.cbgen_small_gemm_blocked_rows())
+
+
+def set_small_gemm_blocked_rows(rows: int | None) -> None:
+    """Use the blocked path from `rows` rows on (None: the build's default again)."""
+    lib = load_library()
+    if lib is not None:
+        lib.cbgen_small_gemm_set_blocked_rows(rows or 0)
+
+
 HUGE_PAGE = 2 << 20
 """Transparent huge page size (x86-64, and arm64 with 4 KiB base pages)."""
 

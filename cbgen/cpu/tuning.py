@@ -5,7 +5,9 @@ for where small_gemm stops beating oneDNN's packed matmul (small_gemm.c MAX_ROWS
 crossover falls also depends on the cache sizes, the memory bandwidth and oneDNN's own kernels
 for the CPU, which one ISA covers many of. So at first use, in the same cache as the build and
 under the same key, a short pass times both paths on a layer-sized weight and keeps the largest
-row count up to which small_gemm is not slower; later processes read it back. Where the build
+row count up to which small_gemm is not slower; later processes read it back. Before that it
+times small_gemm's two paths at decode sizes (row tiles straight from the batch, or packed
+row blocks: the same bits) and keeps the row count from which the blocks are never slower. Where the build
 has the int16 LM head and the CPU no bf16 dot products, the same pass times the int16 head
 against the float32 one (small_gemm and argmax) and keeps the faster.
 
@@ -37,7 +39,7 @@ from cbgen.cpu.linear import (
 
 logger = logging.getLogger("cbgen")
 
-VERSION = 3
+VERSION = 4
 """Bumped when what is measured changes: an older file is measured again."""
 
 ROWS: tuple[int, ...] = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 2048)
@@ -60,6 +62,17 @@ noise would be kept for good): the build's default serves this process and a lat
 measures."""
 
 
+LAYER_SHAPES: tuple[tuple[int, int], ...] = ((832, 576), (576, 576), (3072, 576), (576, 1536))
+"""[N, K] of a 135M-class layer's four matmuls (QKV, output, gate-up, down)."""
+
+LAYERS = 3
+"""How many such layers the decode-size timings go through: 42 MiB of panels, past a 32 MiB L3."""
+
+BLOCKED_TRIED: tuple[int, ...] = (8, 16, 24, 32, 48, 64)
+"""Decode batches at which the pass times small_gemm's two paths (row tiles straight from x
+with the next panel prefetched, or packed row blocks): where the weights' stream from memory
+bounds the step the first wins, with more rows the second."""
+
 HEAD_SHAPE = (16384, 576)
 """[V, K] of the LM head timed (a third of SmolLM2's: 36 MiB of float32 panels)."""
 
@@ -74,10 +87,14 @@ class Tuning:
     """'measured' (this machine, now or earlier), 'build default' or why it is the default."""
     int16_head: bool = False
     """The LM head takes int16 logits (linear.Int16Head) where the CPU has no bf16 dot products."""
+    blocked_rows: int = 0
+    """small_gemm packs rows in blocks from this many on (kernels.small_gemm_blocked_rows);
+    0: the build's default."""
 
     def describe(self) -> str:
         head = ", int16 LM head" if self.int16_head else ""
-        return f"small_gemm up to {self.small_gemm_max_rows} rows{head} ({self.source})"
+        blocks = f" (row blocks from {self.blocked_rows})" if self.blocked_rows else ""
+        return f"small_gemm up to {self.small_gemm_max_rows} rows{blocks}{head} ({self.source})"
 
 
 def crossover(
@@ -88,6 +105,17 @@ def crossover(
     best = 0
     for r, a, b in zip(rows, native_s, onednn_s, strict=False):
         if a > b * slack:
+            break
+        best = r
+    return best
+
+
+def blocked_from(rows: Sequence[int], tiles_s: Sequence[float], blocked_s: Sequence[float]) -> int:
+    """The smallest row count from which the blocked path is never slower at any size tried
+    (0 when it is slower at the largest: the build's default stays)."""
+    best = 0
+    for r, a, b in reversed(list(zip(rows, tiles_s, blocked_s, strict=True))):
+        if b > a:
             break
         best = r
     return best
@@ -141,6 +169,40 @@ def measure(reps: int = 5) -> tuple[list[float], list[float]] | None:
         if a > b * SLACK:
             break
     return native, onednn
+
+
+def measure_blocked(reps: int = 5) -> tuple[list[float], list[float]] | None:
+    """Seconds per pass over LAYERS layers' weights at each BLOCKED_TRIED size, through
+    small_gemm's row tiles and through its packed row blocks (the same bits); None without
+    the kernels."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = LAYER_SHAPES * LAYERS
+    panels = [kernels.pack_panels(torch.randn(shape, generator=gen)) for shape in shapes]
+    if any(p is None for p in panels):
+        return None
+    before = kernels.small_gemm_blocked_rows()
+    tiles, blocked = [], []
+    try:
+        for r in BLOCKED_TRIED:
+            xs = {k: torch.randn(r, k, generator=gen) for k in {k for _, k in shapes}}
+
+            def layers(blocked_from: int, xs: dict[int, torch.Tensor] = xs) -> None:
+                kernels.set_small_gemm_blocked_rows(blocked_from)
+                for (_, k), p in zip(shapes, panels, strict=True):
+                    kernels.small_gemm(xs[k], p, None)  # type: ignore[arg-type]
+
+            def tiles_pass(r: int = r) -> None:
+                layers(r + 1)
+
+            def blocked_pass() -> None:
+                layers(1)
+
+            a, b = _best_times([tiles_pass, blocked_pass], reps)
+            tiles.append(a)
+            blocked.append(b)
+    finally:
+        kernels.set_small_gemm_blocked_rows(before)
+    return tiles, blocked
 
 
 def measure_head(reps: int = 5) -> tuple[float, float]:
@@ -209,11 +271,14 @@ def read(path: Path) -> Tuning | None:
             return None
         rows = data["small_gemm_max_rows"]
         int16_head = data["int16_head"]
+        blocked = data["blocked_rows"]
         if type(rows) is not int or rows < 0 or type(int16_head) is not bool:
             return None
-    except (OSError, ValueError, KeyError, AttributeError):
+        if type(blocked) is not int or blocked < 0:
+            return None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
         return None
-    return Tuning(rows, "measured", int16_head)
+    return Tuning(rows, "measured", int16_head, blocked)
 
 
 def write(
@@ -222,6 +287,7 @@ def write(
     native_s: Sequence[float],
     onednn_s: Sequence[float],
     head_s: tuple[float, float] | None = None,
+    blocked_s: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> None:
     """Atomically, with the timings it came from (for whoever wonders why)."""
     data = {
@@ -232,6 +298,10 @@ def write(
         "small_gemm_s": [round(t, 7) for t in native_s],
         "onednn_s": [round(t, 7) for t in onednn_s],
     }
+    if blocked_s is not None:
+        data["blocked_tried"] = list(BLOCKED_TRIED)
+        data["row_tiles_s"] = [round(t, 7) for t in blocked_s[0]]
+        data["row_blocks_s"] = [round(t, 7) for t in blocked_s[1]]
     if head_s is not None:
         data["head_shape"] = [HEAD_ROWS, *HEAD_SHAPE]
         data["float32_head_s"], data["int16_head_s"] = (round(t, 7) for t in head_s)
@@ -257,15 +327,22 @@ def tune(library: Path, default: int, int16_head: bool | None = None) -> Tuning:
     load = _load_per_cpu()
     if load > BUSY_LOAD:
         return Tuning(default, f"build default: machine busy ({load:.0%} of the CPUs)", head)
-    timings = measure()
+    blocked_s = measure_blocked()
+    blocked = blocked_from(BLOCKED_TRIED, *blocked_s) if blocked_s else 0
+    before = kernels.small_gemm_blocked_rows()
+    try:
+        kernels.set_small_gemm_blocked_rows(blocked or None)  # what measure() then times
+        timings = measure()
+    finally:
+        kernels.set_small_gemm_blocked_rows(before)
     if timings is None:
         return Tuning(default, "build default: oneDNN packing unavailable", head)
     native_s, onednn_s = timings
     head_s = measure_head() if int16_head is not None else None
     if head_s is not None:
         head = head_s[1] < head_s[0]
-    tuning = Tuning(crossover(ROWS, native_s, onednn_s), "measured", head)
-    write(path, tuning, native_s, onednn_s, head_s)
+    tuning = Tuning(crossover(ROWS, native_s, onednn_s), "measured", head, blocked)
+    write(path, tuning, native_s, onednn_s, head_s, blocked_s)
     logger.info("CPU tuning: %s, kept in %s", tuning.describe(), path)
     return tuning
 
@@ -291,6 +368,7 @@ def apply() -> Tuning | None:
     else:
         tuning = tune(b.path, default, head)
     kernels.set_small_gemm_max_rows(tuning.small_gemm_max_rows)
+    kernels.set_small_gemm_blocked_rows(tuning.blocked_rows or None)
     _applied.append(tuning)
     return tuning
 

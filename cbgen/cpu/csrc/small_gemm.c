@@ -38,7 +38,7 @@
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define VW 8 /* floats a vector register holds */
 #define MR_MAX 6
-#define MAX_ROWS 2048 /* the blocked path below beats oneDNN from 16 rows to 2048 */
+#define MAX_ROWS 2048 /* with the blocked path below, on par with oneDNN or ahead to 2,048 */
 #define PREFETCH_REST(p) /* a tile's 16 columns are one cache line */
 #else
 #define VW 16
@@ -129,7 +129,7 @@ static const kern_fn KERNS[MR_MAX + 1] = {0, kern_1, kern_2, kern_3, kern_4, ker
  * (up to BLOCK_FLOATS) in L2 for every panel of the thread. The weights, not x, then stream from L3,
  * once per block. Each output is the same in-order sum over k as above, the same FMAs on the
  * same values: both paths give the same bits, whatever the batch's size. */
-#define BLOCKED_ROWS (16 * MR_MAX) /* from here on the blocked path: 96 (AVX2) or 256 rows */
+#define BLOCKED_ROWS (16 * MR_MAX) /* the build's default: blocks from 96 (AVX2) or 256 rows */
 #define BLOCK_FLOATS (128 * 1024)  /* a block's size, 512 KiB: half an L2 of 1 MiB */
 #define MC_MAX (24 * MR_MAX)       /* rows per block at most */
 
@@ -229,10 +229,18 @@ static void small_gemm_blocked(const float *x, int64_t M, int64_t K, const float
     }
 }
 
+/* From how many rows on the blocked path serves: the build's default until the tuning pass
+ * sets what it measured (where the crossover falls depends on the caches and the memory). */
+static int64_t blocked_rows = BLOCKED_ROWS;
+
+void cbgen_small_gemm_set_blocked_rows(int64_t rows) { blocked_rows = rows > 0 ? rows : BLOCKED_ROWS; }
+
+int64_t cbgen_small_gemm_blocked_rows(void) { return blocked_rows; }
+
 /* x [M, K] and y [M, N] contiguous, N a multiple of 32, bias [N] or NULL. */
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                           const float *bias, float *y) {
-    if (M >= BLOCKED_ROWS) {
+    if (M >= blocked_rows) {
         const int threads = omp_get_max_threads();
         float *bufs = block_buffers(threads * block_rows(K) * K);
         if (bufs) {
