@@ -101,6 +101,12 @@ def test_head_bench_times_both_heads_and_checks_their_tokens(
             marks=pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler"),
         ),
         pytest.param(
+            "--alternate-blocked=1",
+            r"row blocks from \d+ rows",
+            "row blocks from 1 rows",
+            marks=pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler"),
+        ),
+        pytest.param(
             "--alternate-matmul=1",
             r"small_gemm up to \d+ rows",
             "small_gemm up to 1 rows",
@@ -121,6 +127,7 @@ def test_profile_step_alternates_two_paths(
         ]
     )  # fmt: skip
     kernels.set_small_gemm_max_rows(None)
+    kernels.set_small_gemm_blocked_rows(None)
     out = capsys.readouterr().out
     # the prompts' step went to one of the two
     assert re.search(r"steps with prompt tokens [\d.]+ tokens/s \(1 steps, \d+ tokens\)", out), out

@@ -184,30 +184,20 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--alternate-decoder: this model and CPU have no native decoder")
         alternate = (switch(model, "native_decoder"), "one C call", "Python forward")
     if args.alternate_matmul is not None:
-        tuned = kernels.small_gemm_max_rows()
-        if tuned == 0:
-            raise SystemExit("--alternate-matmul: no native kernels here")
-
-        def split(on: bool) -> None:
-            kernels.set_small_gemm_max_rows(tuned if on else args.alternate_matmul)
-
-        alternate = (
-            split,
-            f"small_gemm up to {tuned} rows",
-            f"small_gemm up to {args.alternate_matmul} rows",
+        alternate = threshold(
+            "--alternate-matmul",
+            kernels.small_gemm_max_rows(),
+            kernels.set_small_gemm_max_rows,
+            args.alternate_matmul,
+            "small_gemm up to {} rows",
         )
     if args.alternate_blocked is not None:
-        blocked = kernels.small_gemm_blocked_rows()
-        if blocked == 0:
-            raise SystemExit("--alternate-blocked: no native kernels here")
-
-        def blocks(on: bool) -> None:
-            kernels.set_small_gemm_blocked_rows(blocked if on else args.alternate_blocked)
-
-        alternate = (
-            blocks,
-            f"row blocks from {blocked} rows",
-            f"row blocks from {args.alternate_blocked} rows",
+        alternate = threshold(
+            "--alternate-blocked",
+            kernels.small_gemm_blocked_rows(),
+            kernels.set_small_gemm_blocked_rows,
+            args.alternate_blocked,
+            "row blocks from {} rows",
         )
     with_it: list[bool] = []
     t0 = time.perf_counter()
@@ -257,6 +247,20 @@ def main(argv: list[str] | None = None) -> None:
                     f"  {label}: steps with prompt tokens {tokens / seconds:.1f} tokens/s "
                     f"({len(prompt)} steps, {tokens} tokens)"
                 )
+
+
+def threshold(
+    option: str, tuned: int, set_rows: Callable[[int], None], other: int, label: str
+) -> tuple[Callable[[bool], None], str, str]:
+    """An alternation between a kernel threshold's tuned value and `other` (0 tuned: no
+    kernels here)."""
+    if tuned == 0:
+        raise SystemExit(f"{option}: no native kernels here")
+
+    def set_it(on: bool) -> None:
+        set_rows(tuned if on else other)
+
+    return set_it, label.format(tuned), label.format(other)
 
 
 def switch(model: object, attribute: str) -> Callable[[bool], None]:
