@@ -365,11 +365,15 @@ class ModelRunner:
                     cache[:, dst, :n] = cache[:, src, :n]
         bucket = self._decode_bucket(out)
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
+        selected = False  # hidden holds only the rows the head reads
         if bucket is not None and self.graphs is not None:
             hidden = self.graphs.replay(bucket)
         else:
             self.backend.prepare(meta)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            # the model skips what only other rows need, unless prompts are scored (every row)
+            selected = not self.prompt_scored and len(logits_indices) < len(input_ids)
+            wanted = logits_indices if selected else None
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, wanted)
         prompt_logprobs = self._score_prompts(out, hidden) if self.prompt_scored else {}
         sampling = [s for s in out.scheduled if s.will_sample]
         if not sampling:
@@ -391,7 +395,7 @@ class ModelRunner:
                     draws=self.draws.get(s.request_id, 0),
                 )
             )
-        sampled, logprobs = self._sample(hidden[logits_indices], rows)
+        sampled, logprobs = self._sample(hidden if selected else hidden[logits_indices], rows)
         result = {}
         grammar_done = []
         for s, row, token in zip(sampling, rows, sampled, strict=True):

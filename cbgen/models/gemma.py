@@ -87,8 +87,10 @@ class GemmaForCausalLM(CausalLM):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, in the residual-stream form:
+        """Hidden states [T, hidden] after the final norm (with `rows`, of those rows only:
+        CausalLM.forward_layers), in the residual-stream form:
 
             residual += h;  x = input_norm(residual);  h = post_attention_norm(attn(x))
             residual += h;  x = pre_ff_norm(residual); h = post_ff_norm(mlp(x))
@@ -105,11 +107,16 @@ class GemmaForCausalLM(CausalLM):
                 self.local_rope.cos, self.local_rope.sin, positions, residual.dtype
             )
         h: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.gemma_layers, kv_caches, strict=True):
+        last = len(self.gemma_layers) - 1
+        for n, (layer, kv_cache) in enumerate(zip(self.gemma_layers, kv_caches, strict=True)):
             attn = layer.self_attn
             rope = full if attn.sliding_window is None else local
             x = ops.add_rmsnorm_(residual, h, layer.input_layernorm.weight, eps)
-            a = attn(x, rope, ops, kv_cache, meta, backend)
+            if n == last and rows is not None:
+                a = attn(x, rope, ops, kv_cache, meta, backend, rows)
+                residual = residual[rows]
+            else:
+                a = attn(x, rope, ops, kv_cache, meta, backend)
             h = ops.add_rmsnorm_(a, None, layer.post_attention_layernorm.weight, eps)
             x = ops.add_rmsnorm_(residual, h, layer.pre_feedforward_layernorm.weight, eps)
             m = layer.mlp(x, ops)

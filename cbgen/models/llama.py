@@ -141,7 +141,10 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The block's output [T, hidden]; with `rows`, only those rows' (every row's K/V is
+        still written: later tokens read them)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
@@ -183,7 +186,8 @@ class Attention(nn.Module):
             o = backend.forward(
                 q, k, v, kv_cache, meta, self.scale, sliding_window=window, logit_softcap=cap
             )
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        return self.o_proj(o if rows is None else o[rows])
 
 
 class MLP(nn.Module):
@@ -255,15 +259,17 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm: from the native decoder's one C
-        call where it serves the step, else from forward_layers."""
+        """Hidden states [T, hidden] after the final norm, or [len(rows), hidden] of the rows
+        asked for (those the LM head reads): from the native decoder's one C call where it
+        serves the step, else from forward_layers."""
         native = self.native_decoder
         if native is not None:
             hidden = native(input_ids, positions, kv_caches, meta)
             if hidden is not None:
-                return hidden
-        return self.forward_layers(input_ids, positions, kv_caches, meta, backend)
+                return hidden if rows is None else hidden[rows]
+        return self.forward_layers(input_ids, positions, kv_caches, meta, backend, rows)
 
     def forward_layers(
         self,
@@ -272,19 +278,28 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layers from Python, in the residual-stream form:
 
             residual += h;  x = norm(residual);  h = block(x)
-        (what the reference writes as h = residual + block(norm(h)), with the same roundings)
+        (what the reference writes as h = residual + block(norm(h)), with the same roundings).
+        With `rows`, the last layer's output projection and MLP run on those rows only: the
+        other rows' hidden states feed nothing after it (a prompt chunk's K/V of every layer
+        is written all the same), and in a prompt chunk they are nearly all of them.
         """
         ops, eps = self.ops, self.config.rms_norm_eps
         residual = self.embed_tokens(input_ids)
         rope = ops.rope_tables(self.rope.cos, self.rope.sin, positions, residual.dtype)
         h: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
+        last = len(self.decoder_layers) - 1
+        for n, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches, strict=True)):
             x = ops.add_rmsnorm_(residual, h, layer.input_layernorm.weight, eps)
-            h = layer.self_attn(x, rope, ops, kv_cache, meta, backend)
+            if n == last and rows is not None:
+                h = layer.self_attn(x, rope, ops, kv_cache, meta, backend, rows)
+                residual = residual[rows]
+            else:
+                h = layer.self_attn(x, rope, ops, kv_cache, meta, backend)
             x = ops.add_rmsnorm_(residual, h, layer.post_attention_layernorm.weight, eps)
             h = layer.mlp(x, ops)
         return ops.add_rmsnorm_(residual, h, self.norm.weight, eps)
