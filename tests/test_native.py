@@ -509,6 +509,42 @@ def test_small_gemm_tall_batches_give_every_row_the_bits_it_gets_alone(n: int, k
     assert kernels.small_gemm(x[:97], panels, None).shape == (97, n)
 
 
+@pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize(
+    ("activation", "separate"), [("silu", "silu_mul"), ("gelu_tanh", "gelu_tanh_mul")]
+)
+def test_the_gated_matmul_gives_the_bits_of_the_matmul_then_the_activation(
+    activation: str, separate: str
+) -> None:
+    """The gate-up matmul with the activation applied to its tiles: the same bits as small_gemm
+    and then the activation pass, for batches cut into row blocks anywhere (a last tile of one
+    row, of a full one); fewer rows than the blocks start at are not its job (None)."""
+    torch.manual_seed(12)
+    inter, k = 64, 577
+    weight = torch.randn(2 * inter, k) * 0.2
+    panels = kernels.pack_panels(weight)
+    assert panels is not None
+    x = torch.randn(400, k)
+    blocked = kernels.small_gemm_blocked_rows()
+    for m in (blocked, blocked + 1, blocked + 7, 400):
+        if m > 400:
+            continue
+        got = kernels.small_gemm_gated(x[:m], panels, activation)
+        want = getattr(kernels, separate)(kernels.small_gemm(x[:m], panels, None))
+        assert got is not None and torch.equal(got, want), m
+    assert kernels.small_gemm_gated(x[: blocked - 1], panels, activation) is None
+    try:
+        kernels.set_small_gemm_blocked_rows(1)
+        for m in (1, 5, 6, 7):
+            got = kernels.small_gemm_gated(x[:m], panels, activation)
+            want = getattr(kernels, separate)(kernels.small_gemm(x[:m], panels, None))
+            assert got is not None and torch.equal(got, want), m
+    finally:
+        kernels.set_small_gemm_blocked_rows(None)
+    with pytest.raises(ValueError, match="activation: expected one of"):
+        kernels.small_gemm_gated(x, panels, "relu")
+
+
 def test_small_gemm_needs_whole_panels() -> None:
     assert kernels.pack_panels(torch.randn(100, 64)) is None
     assert kernels.pack_panels(torch.randn(96, 64).double()) is None

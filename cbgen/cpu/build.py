@@ -54,7 +54,7 @@ _SRCS = {
     # a decode step's layers in one call: it only calls the kernels above
     _CSRC / "decoder.c": ("-ffp-contract=off",),
 }
-_HEADERS = [_CSRC / "vexp.h", _CSRC / "cdf.h", _CSRC / "head_select.h"]
+_HEADERS = [_CSRC / "vexp.h", _CSRC / "cdf.h", _CSRC / "head_select.h", _CSRC / "gated.h"]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
 
 # (predefined macro, name shown) of the ISA extensions the kernels' speed depends on
@@ -312,6 +312,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cbgen_small_gemm_set_blocked_rows.restype = None
     lib.cbgen_small_gemm_blocked_rows.argtypes = []
     lib.cbgen_small_gemm_blocked_rows.restype = i64
+    lib.cbgen_small_gemm_gated_f32.argtypes = [p, i64, i64, p, i64, ctypes.c_int, p]
+    lib.cbgen_small_gemm_gated_f32.restype = ctypes.c_int
     lib.cbgen_prefill_attention_f32.argtypes = [p, i64, p, p, p, *(i64,) * 6, f32, i64, f32]
     lib.cbgen_prefill_attention_f32.restype = ctypes.c_int
     lib.cbgen_native_prefill_rows.argtypes = []

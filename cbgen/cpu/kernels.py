@@ -548,6 +548,36 @@ def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None)
     return y
 
 
+GATED_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+"""The activations small_gemm_gated applies: SiLU, GELU's tanh form (GeGLU)."""
+
+
+def small_gemm_gated(x: torch.Tensor, panels: torch.Tensor, activation: str) -> torch.Tensor | None:
+    """act(x @ W_gate.T) * (x @ W_up.T) [M, I] for a gate-up weight [2I, K] packed by
+    pack_panels (gate rows first), in one pass that never writes the gate-up product: the same
+    bits as silu_mul / gelu_tanh_mul of small_gemm's result. None where it does not serve:
+    fewer rows than small_gemm_blocked_rows() (it runs the row blocks only), I not a multiple
+    of 32, or no memory for the blocks."""
+    _check("panels", panels, torch.float32, ("P", "K", PANEL))
+    _check_contiguous("panels", panels)
+    p, k, _ = panels.shape
+    _check("x", x, torch.float32, ("M", k))
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(
+            f"activation: expected one of {sorted(GATED_ACTIVATIONS)}, got {activation!r}"
+        )
+    m, i = x.shape[0], p * PANEL // 2
+    if m < small_gemm_blocked_rows() or p % 2:
+        return None
+    lib = _library()
+    x = x.contiguous()
+    y = torch.empty(m, i, dtype=torch.float32)
+    act = GATED_ACTIVATIONS[activation]
+    if lib.cbgen_small_gemm_gated_f32(x.data_ptr(), m, k, panels.data_ptr(), i, act, y.data_ptr()):
+        return None
+    return y
+
+
 @functools.cache
 def prefill_split() -> tuple[int, bool]:
     """How the cpu attention backend splits prompt chunks with this machine's build: (rows,

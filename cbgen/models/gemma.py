@@ -23,14 +23,12 @@ from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.cpu.linear import ExactHead
 from cbgen.models.config import ModelConfig
 from cbgen.models.llama import MLP, CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
-from cbgen.models.ops import Ops
 
 
 class GemmaMLP(MLP):
     """GeGLU: down(GELU_tanh(gate) * up)."""
 
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.gelu_tanh_mul(self.gate_up_proj(x)))
+    activation = "gelu_tanh"
 
 
 class GemmaDecoderLayer(DecoderLayer):

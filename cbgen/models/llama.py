@@ -18,7 +18,7 @@ from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.cpu import kernels
 from cbgen.cpu.linear import ExactHead, linear, pack_weight
 from cbgen.models.config import ModelConfig
-from cbgen.models.ops import TORCH_OPS, HeadNormOps, Ops, RopeKvOps, rms_norm
+from cbgen.models.ops import TORCH_OPS, GatedLinearOps, HeadNormOps, Ops, RopeKvOps, rms_norm
 
 
 class Linear(nn.Linear):
@@ -191,6 +191,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """down(act(gate) * up), act SiLU."""
+
+    activation = "silu"
+    """The gate's activation: "silu", or "gelu_tanh" (GeGLU)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
@@ -198,7 +203,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        if isinstance(ops, GatedLinearOps):
+            h = ops.gated_linear(x, self.gate_up_proj, self.activation)
+            if h is not None:
+                return self.down_proj(h)
+        gate_up = self.gate_up_proj(x)
+        if self.activation == "gelu_tanh":
+            return self.down_proj(ops.gelu_tanh_mul(gate_up))
+        return self.down_proj(ops.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

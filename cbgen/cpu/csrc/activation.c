@@ -13,36 +13,12 @@
  */
 #include <stdint.h>
 
-#include "vexp.h"
+#include "gated.h" /* silu_mul_vn, gelu_tanh_mul_vn */
 
 /* Every core from 32 Ki outputs (SmolLM2's 1536-wide MLP: 22 rows): measured on 2 cores, 32
  * rows 20.1 -> 11.1 us, 64 rows 40.1 -> 22.8 us; at 16 rows (10.9 us) a second core would
  * save less than it costs to start. */
 #define PAR_MIN_ELEMS (1 << 15)
-
-/* In vexp.h's vn, the vector an ISA holds in one register (16 floats with AVX-512, else 8):
- * the activation is lane-wise, so the width changes no result. */
-static inline vn silu_mul_vn(vn g, vn u) {
-    const ivn neg = (ivn)(g < 0.0f);
-    const vn a = (vn)((ivn)g & 0x7fffffff); /* |g| */
-    const vn e = exp_vn(-a);
-    const vn num = (vn)(((ivn)(g * e) & neg) | ((ivn)g & ~neg));
-    return num / (1.0f + e) * u;
-}
-
-/* GeGLU's GELU in its tanh form, written as a sigmoid: 0.5 g (1 + tanh(z / 2)) = g / (1 + exp(-z))
- * with z = 2 sqrt(2 / pi) (g + 0.044715 g^3); the same stable split as silu_mul_vn, so it never
- * overflows and keeps its relative precision in the far negative tail, where torch's
- * 0.5 g (1 + tanh(...)) cancels to 0. Agrees with torch's F.gelu(approximate="tanh") to a few
- * ulp elsewhere. */
-static inline vn gelu_tanh_mul_vn(vn g, vn u) {
-    const vn z = 1.5957691216057308f * (g + 0.044715f * (g * g * g));
-    const ivn neg = (ivn)(z < 0.0f);
-    const vn a = (vn)((ivn)z & 0x7fffffff); /* |z| */
-    const vn e = exp_vn(-a);
-    const vn num = (vn)(((ivn)(g * e) & neg) | ((ivn)g & ~neg));
-    return num / (1.0f + e) * u;
-}
 
 /* out[t, i] = act(gu[t, i]) * gu[t, I + i], one vector of i at a time (a tail padded) */
 #define GATED(NAME, ACT)                                                                          \

@@ -1,0 +1,49 @@
+"""The MLP's gate-up matmul and its activation in one pass (CpuOps.gated_linear): taken by the
+Python forward's steps whose rows go to small_gemm's row blocks (the one-call decoder's steps
+keep their own order of kernels), with the tokens of the two-step path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import tiny_engine
+
+from cbgen.config import SamplingParams
+from cbgen.cpu import kernels
+from cbgen.cpu.ops import CpuOps
+from cbgen.llm import LLM
+
+pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
+
+PROMPTS = [list(range(30, 150)), [7, 9] * 60, list(range(200, 300))]
+
+
+def _tokens(engine: Any) -> list[list[int]]:
+    engine.runner.model.native_decoder = None
+    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    return [o.output_token_ids for o in LLM(engine=engine).generate(PROMPTS, sampling)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_prompt_steps_take_the_one_pass_mlp_with_the_same_tokens(
+    kind: str, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served: list[int] = []
+    inner = kernels.small_gemm_gated
+
+    def counted(x: Any, panels: Any, activation: str) -> Any:
+        got = inner(x, panels, activation)
+        if got is not None:
+            served.append(x.shape[0])
+        return got
+
+    monkeypatch.setattr(kernels, "small_gemm_gated", counted)
+    engine = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=128)
+    got = _tokens(engine)
+    assert served and min(served) >= kernels.small_gemm_blocked_rows()
+    monkeypatch.setattr(CpuOps, "gated_linear", lambda self, x, gate_up, activation: None)
+    plain = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=128)
+    assert _tokens(plain) == got
