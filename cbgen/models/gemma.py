@@ -109,12 +109,11 @@ class GemmaForCausalLM(CausalLM):
         for n, (layer, kv_cache) in enumerate(zip(self.gemma_layers, kv_caches, strict=True)):
             attn = layer.self_attn
             rope = full if attn.sliding_window is None else local
+            wanted = rows if n == last else None
             x = ops.add_rmsnorm_(residual, h, layer.input_layernorm.weight, eps)
-            if n == last and rows is not None:
-                a = attn(x, rope, ops, kv_cache, meta, backend, rows)
-                residual = residual[rows]
-            else:
-                a = attn(x, rope, ops, kv_cache, meta, backend)
+            a = attn(x, rope, ops, kv_cache, meta, backend, wanted)
+            if wanted is not None:
+                residual = residual[wanted]
             h = ops.add_rmsnorm_(a, None, layer.post_attention_layernorm.weight, eps)
             x = ops.add_rmsnorm_(residual, h, layer.pre_feedforward_layernorm.weight, eps)
             m = layer.mlp(x, ops)

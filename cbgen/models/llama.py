@@ -306,12 +306,11 @@ class CausalLM(nn.Module):
         h: torch.Tensor | None = None
         last = len(self.decoder_layers) - 1
         for n, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches, strict=True)):
+            wanted = rows if n == last else None
             x = ops.add_rmsnorm_(residual, h, layer.input_layernorm.weight, eps)
-            if n == last and rows is not None:
-                h = layer.self_attn(x, rope, ops, kv_cache, meta, backend, rows)
-                residual = residual[rows]
-            else:
-                h = layer.self_attn(x, rope, ops, kv_cache, meta, backend)
+            h = layer.self_attn(x, rope, ops, kv_cache, meta, backend, wanted)
+            if wanted is not None:
+                residual = residual[wanted]
             x = ops.add_rmsnorm_(residual, h, layer.post_attention_layernorm.weight, eps)
             h = layer.mlp(x, ops)
         return ops.add_rmsnorm_(residual, h, self.norm.weight, eps)

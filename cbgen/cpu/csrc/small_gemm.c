@@ -207,44 +207,21 @@ static void pack_block(const float *x, int64_t rows, int64_t K, float *ap) {
     }
 }
 
-static void small_gemm_blocked(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
-                               const float *bias, float *y, float *bufs, int threads) {
-    const int64_t P = N / NR;
-    const int64_t mc = block_rows(K);
-#pragma omp parallel num_threads(threads)
-    {
-        float *ap = bufs + omp_get_thread_num() * mc * K;
-        for (int64_t i0 = 0; i0 < M; i0 += mc) {
-            const int64_t rows = M - i0 < mc ? M - i0 : mc;
-            pack_block(x + i0 * K, rows, K, ap);
-            /* the same panels go to the same thread in every block: no barrier needed */
-#pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < P; ++p) {
-                const float *panel = wp + p * K * NR;
-                const float *b = bias ? bias + p * NR : 0;
-                for (int64_t t = 0; t * MR_MAX < rows; ++t)
-                    for (int64_t c = 0; c < NR; c += TN)
-                        kern_packed(ap + t * K * MR_MAX, K, panel + c, b ? b + c : 0,
-                                    y + (i0 + t * MR_MAX) * N + p * NR + c, N, rows - t * MR_MAX);
-            }
-        }
-    }
-}
+#define PLAIN (-1) /* small_gemm_blocked's act for a plain matmul */
 
-/* y[M, I] = act(x W_gate^T) * (x W_up^T) for a gate-up weight [2I, K] packed as one (its gate
- * panels, then its up panels; I a multiple of 32), act 0: SiLU, 1: GELU's tanh form. The blocked
- * path above, with each thread taking the gate panel and the up panel of the same 32 columns:
- * a row tile's two products go to a scratch tile in L1 and the activation to y, so the gate-up
- * product (T x 2I floats: 25 MB for a 2,048-token chunk of SmolLM2) is never written and read
- * back. The same sums and activation as small_gemm, then activation.c: the same bits.
- * Returns 0, or -1 when a block buffer could not be allocated (y not written). */
-int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t I,
-                               int act, float *y) {
+/* The blocked path: y[M, N] = x W^T (+ bias) for act PLAIN; with act 0 (SiLU) or 1 (GELU's tanh
+ * form), y[M, N] = act(x W_gate^T) * (x W_up^T) for a gate-up weight [2N, K] packed as one (its
+ * gate panels, then its up panels). Then each thread takes the gate panel and the up panel of
+ * the same 32 columns: a row tile's two products go to a scratch tile in L1 and the activation
+ * to y, so the gate-up product (T x 2I floats: 25 MB for a 2,048-token chunk of SmolLM2) is never
+ * written and read back; the activation is activation.c's (gated.h): the same bits as the two
+ * passes. Returns 0, or -1 when a block buffer could not be allocated (y not written). */
+static int small_gemm_blocked(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
+                              const float *bias, int act, float *y) {
     const int threads = omp_get_max_threads();
-    const int64_t mc = block_rows(K);
+    const int64_t mc = block_rows(K), P = N / NR;
     float *bufs = block_buffers(threads * mc * K);
     if (!bufs) return -1;
-    const int64_t P = I / NR;
 #pragma omp parallel num_threads(threads)
     {
         float *ap = bufs + omp_get_thread_num() * mc * K;
@@ -253,28 +230,43 @@ int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float
         for (int64_t i0 = 0; i0 < M; i0 += mc) {
             const int64_t rows = M - i0 < mc ? M - i0 : mc;
             pack_block(x + i0 * K, rows, K, ap);
+            /* the same panels go to the same thread in every block: no barrier needed */
 #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < P; ++p) {
-                const float *gate = wp + p * K * NR, *up = wp + (P + p) * K * NR;
+                const float *panel = wp + p * K * NR;
+                const float *up = act == PLAIN ? 0 : wp + (P + p) * K * NR;
+                const float *b = bias ? bias + p * NR : 0;
                 for (int64_t t = 0; t * MR_MAX < rows; ++t) {
                     const int64_t left = rows - t * MR_MAX, n = left < MR_MAX ? left : MR_MAX;
                     const float *a = ap + t * K * MR_MAX;
+                    float *out = y + (i0 + t * MR_MAX) * N + p * NR;
                     for (int64_t c = 0; c < NR; c += TN) {
-                        kern_packed(a, K, gate + c, 0, tg[0], TN, n);
+                        if (act == PLAIN) {
+                            kern_packed(a, K, panel + c, b ? b + c : 0, out + c, N, n);
+                            continue;
+                        }
+                        kern_packed(a, K, panel + c, 0, tg[0], TN, n);
                         kern_packed(a, K, up + c, 0, tu[0], TN, n);
-                        for (int64_t r = 0; r < n; ++r) {
-                            float *dst = y + (i0 + t * MR_MAX + r) * I + p * NR + c;
+                        for (int64_t r = 0; r < n; ++r)
                             for (int v = 0; v < TN; v += VN) {
                                 const vn g = *(const vn *)(tg[r] + v), u = *(const vn *)(tu[r] + v);
-                                *(vnu *)(dst + v) = act ? gelu_tanh_mul_vn(g, u) : silu_mul_vn(g, u);
+                                *(vnu *)(out + r * N + c + v) =
+                                    act ? gelu_tanh_mul_vn(g, u) : silu_mul_vn(g, u);
                             }
-                        }
                     }
                 }
             }
         }
     }
     return 0;
+}
+
+/* y[M, I] = act(x W_gate^T) * (x W_up^T) for a gate-up weight [2I, K] packed as one (I a
+ * multiple of 32), act 0: SiLU, 1: GELU's tanh form, through the blocked path whatever M is.
+ * Returns 0, or -1 when a block buffer could not be allocated (y not written). */
+int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t I,
+                               int act, float *y) {
+    return small_gemm_blocked(x, M, K, wp, I, 0, act ? 1 : 0, y);
 }
 
 /* From how many rows on the blocked path serves: the build's default until the tuning pass
@@ -288,14 +280,7 @@ int64_t cbgen_small_gemm_blocked_rows(void) { return blocked_rows; }
 /* x [M, K] and y [M, N] contiguous, N a multiple of 32, bias [N] or NULL. */
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                           const float *bias, float *y) {
-    if (M >= blocked_rows) {
-        const int threads = omp_get_max_threads();
-        float *bufs = block_buffers(threads * block_rows(K) * K);
-        if (bufs) {
-            small_gemm_blocked(x, M, K, wp, N, bias, y, bufs, threads);
-            return;
-        }
-    }
+    if (M >= blocked_rows && small_gemm_blocked(x, M, K, wp, N, bias, PLAIN, y) == 0) return;
     const int64_t P = N / NR;
     /* tile t takes rows [m, m + rows): the rows left shared evenly by the tiles left */
     const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;
