@@ -16,7 +16,7 @@ import torch
 from cbgen.cpu import kernels
 from cbgen.engine.outputs import StepStats
 from tools import compare_peers, head_bench, profile_step
-from tools.cbgen_worker import flop_summary
+from tools.cbgen_worker import attention_flops, flop_summary, keys_read
 
 TINY_LLAMA_SMOLLM2_VOCAB = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -162,6 +162,24 @@ def test_flop_summary_counts_full_batch_and_decode_only_steps() -> None:
     assert (s["computed_tokens"], s["flops_body"]) == (115, 115 * 2 * 10)
 
 
+def test_attention_flops_count_each_positions_causal_keys_within_its_layers_window() -> None:
+    # positions 0..4 read 1, 2, 3, 4, 5 keys; with a window of 3: 1, 2, 3, 3, 3
+    assert (keys_read(5, None), keys_read(5, 3), keys_read(5, 5), keys_read(0, None)) == (
+        15,
+        12,
+        15,
+        0,
+    )
+    for n in range(12):
+        for w in (None, 1, 4, 20):
+            assert keys_read(n, w) == sum(min(p + 1, w or p + 1) for p in range(n))
+    # a request of 3 prompt + 2 output tokens runs 4 positions: 10 keys in a full layer, 1 + 2
+    # + 2 + 2 in a layer with a window of 2; 4 x heads x head_dim FLOPs a key
+    assert attention_flops([(3, 2)], [None, 2], num_heads=2, head_dim=4) == 4 * 2 * 4 * (10 + 7)
+    two = attention_flops([(3, 2), (1, 1)], [None], num_heads=1, head_dim=1)
+    assert two == 4 * (10 + 1)  # a one-token prompt with one output token: one position
+
+
 def run_compare_peers(tmp_path: Path, model_dir: Path, systems: str, *extra: str) -> dict:
     compare_peers.main(
         [
@@ -203,6 +221,19 @@ def test_compare_peers_runs_cbgen_and_both_transformers_modes_on_sharegpt(
     )
     peak = summary["peak"]
     assert peak["gflops"] == max(peak["gflops_before"], peak["gflops_after"]) > 0
+    # The ceiling counts the workload's attention beside its matmuls, from the requests' lengths
+    # and the model's shape; the matmuls' ceiling alone is kept too
+    requests = json.loads((tmp_path / "workload.json").read_text())["requests"]
+    positions = [len(r["prompt_token_ids"]) + r["output_len"] - 1 for r in requests]
+    c = TINY_LLAMA_SMOLLM2_VOCAB
+    layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
+    head_dim = c["hidden_size"] // heads
+    attn = layers * 4 * heads * head_dim * sum(n * (n + 1) // 2 for n in positions) / 1e9
+    assert w["gflop_attention"] == pytest.approx(attn) and attn > 0
+    assert w["ceiling_tokens_per_s"] == pytest.approx(
+        w["ceiling_tokens_per_s_matmuls"] * w["gflop"] / (w["gflop"] + attn)
+    )
+    assert "of attention (q.k and p x v over each position's causal keys)" in out
     # Same weights, greedy, fp32: every system produces cbgen's tokens.
     assert "transformers generate, static B=2 3/3" in out
     assert "transformers continuous batching (sdpa, paged) 3/3" in out
@@ -233,6 +264,8 @@ def test_share_of_peak_is_the_workloads_matmul_work_at_the_peak() -> None:
     ceiling = compare_peers.ceiling_tokens_per_s(w, gflop, peak_gflops=1e-3)
     assert ceiling == pytest.approx(1200 * 1e-3 / gflop)
     assert compare_peers.workload_gflop(w, {}) is None  # no cbgen run, no parameter counts
+    assert compare_peers.attention_gflop({"flops_attention": 3e9}) == 3.0
+    assert compare_peers.attention_gflop(extra) == 0.0  # a run that did not count it
     res = {
         "ok": True, "prompt_tokens": 1000, "output_tokens": 200, "elapsed_s": 1200 / (ceiling / 4),
         "startup_s": 1.0, "peak_rss_gib": 1.0, "other_cores": 0.0,

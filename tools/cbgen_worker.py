@@ -67,6 +67,31 @@ def flop_summary(
     }
 
 
+def keys_read(positions: int, window: int | None) -> int:
+    """Keys the queries at positions 0 .. positions - 1 read in all: position p reads its
+    p + 1 causal keys, at most `window` of them."""
+    if window is None or positions <= window:
+        return positions * (positions + 1) // 2
+    return window * (window + 1) // 2 + (positions - window) * window
+
+
+def attention_flops(
+    lengths: Sequence[tuple[int, int]],
+    windows: Sequence[int | None],
+    num_heads: int,
+    head_dim: int,
+) -> float:
+    """The attention's FLOPs for requests of (prompt, output) tokens, whoever runs them: a
+    request runs prompt + output - 1 positions (the last token is sampled, never fed back);
+    a query head reading a key does 2 x head_dim for q.k and 2 x head_dim for p x v, in every
+    layer, whose window limits the keys (`windows`, one per layer). The matmuls' count is
+    flop_summary's; this is the rest of the model's arithmetic, which grows with the context."""
+    per_key = 4 * num_heads * head_dim
+    return float(
+        sum(per_key * keys_read(max(p + o - 1, 0), w) for p, o in lengths for w in windows)
+    )
+
+
 def main() -> None:
     p = worker_args(__doc__.splitlines()[0])
     p.add_argument(
@@ -120,6 +145,12 @@ def main() -> None:
             mc.num_parameters(include_embeddings=False),
             mc.vocab_size * mc.hidden_size,
             args.max_num_seqs,
+        )
+        result.extra["flops_attention"] = attention_flops(
+            [(len(it.prompt_token_ids), it.output_len) for it in items],
+            mc.layer_windows,
+            mc.num_attention_heads,
+            mc.head_dim,
         )
         result.extra["num_steps"] = float(len(steps))
         result.extra["total_preemptions"] = float(steps[-1].total_preemptions if steps else 0)
