@@ -73,6 +73,26 @@ def test_one_c_call_gives_the_python_forwards_hidden_states_bit_for_bit(
 
 
 @pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_steps_past_the_row_blocks_apply_the_activation_on_the_tiles_with_the_same_bits(
+    kind: str, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    """From small_gemm's row blocks on, the one-call step applies SiLU x up (GELU x up) to the
+    gate-up matmul's tiles (cbgen_small_gemm_gated_f32) instead of a second pass: the row
+    blocks start at 8 rows here, so most steps take it, and the smaller ones the two passes."""
+    engine = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=24)
+    checked = Checked(engine)
+    before = kernels.small_gemm_blocked_rows()  # after the engine's tuning pass set it
+    kernels.set_small_gemm_blocked_rows(8)
+    try:
+        tokens = _generate(engine, PROMPTS)
+    finally:
+        kernels.set_small_gemm_blocked_rows(before)
+    assert all(len(t) == 20 for t in tokens) and checked.declined == 0
+    assert max(checked.served) >= 8 and min(checked.served) < 8
+
+
+@pytest.mark.usefixtures("each_build")
 def test_steps_with_a_chunk_for_the_prefill_kernel_take_the_python_path(
     tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> None:
     # the ceiling counts the model's whole arithmetic: its matmuls and its attention, which at
     # 1-2k-token prompts is a fifth of the work; the matmuls' ceiling alone is printed beside it
     gflop = workload_gflop(w, cb.get("extra") or {}) if cb else None
-    attn = attention_gflop(cb.get("extra") or {}) if gflop else 0.0
+    attn = attention_gflop(cb.get("extra") or {}) if cb else 0.0
     ceiling = ceiling_tokens_per_s(w, gflop + attn, peak["gflops"]) if gflop else None
     matmul_ceiling = ceiling_tokens_per_s(w, gflop, peak["gflops"]) if gflop else None
     print()

@@ -10,7 +10,7 @@
  *   write k, v at their slots;  o = paged_decode(q over the cache)
  *   h = o @ Wo
  *   x = add_rmsnorm(residual += h, post_norm)
- *   h = silu_mul(x @ Wgate_up) @ Wdown
+ *   h = silu_mul(x @ Wgate_up) @ Wdown                (one pass from small_gemm's row blocks on)
  *
  * and out = add_rmsnorm(residual += h, final_norm). Gemma's layers (gemma set) norm each block's
  * output too, and the MLP is GeGLU:
@@ -42,6 +42,9 @@ int cbgen_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cach
                            int64_t bs, float scale, int64_t window, float softcap, float *out);
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                           const float *bias, float *y);
+int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t I,
+                               int act, float *y);
+int64_t cbgen_small_gemm_blocked_rows(void);
 void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
 void cbgen_gelu_tanh_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
 
@@ -103,15 +106,22 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
             cbgen_small_gemm_f32(o, T, q, L->o, H, 0, a);
             cbgen_add_rmsnorm_f32(a, 0, L->post_norm, m->eps, T, H, h);
             cbgen_add_rmsnorm_f32(residual, h, L->pre_ff_norm, m->eps, T, H, x);
-            cbgen_small_gemm_f32(x, T, H, L->gate_up, 2 * I, 0, gu);
-            cbgen_gelu_tanh_mul_f32(gu, T, I, act);
+            if (T < cbgen_small_gemm_blocked_rows() ||
+                cbgen_small_gemm_gated_f32(x, T, H, L->gate_up, I, 1, act)) {
+                cbgen_small_gemm_f32(x, T, H, L->gate_up, 2 * I, 0, gu);
+                cbgen_gelu_tanh_mul_f32(gu, T, I, act);
+            }
             cbgen_small_gemm_f32(act, T, I, L->down, H, 0, a);
             cbgen_add_rmsnorm_f32(a, 0, L->post_ff_norm, m->eps, T, H, h);
         } else {
             cbgen_small_gemm_f32(o, T, q, L->o, H, 0, h);
             cbgen_add_rmsnorm_f32(residual, h, L->post_norm, m->eps, T, H, x);
-            cbgen_small_gemm_f32(x, T, H, L->gate_up, 2 * I, 0, gu);
-            cbgen_silu_mul_f32(gu, T, I, act);
+            /* from where small_gemm takes row blocks, SiLU x up on its tiles: the same bits */
+            if (T < cbgen_small_gemm_blocked_rows() ||
+                cbgen_small_gemm_gated_f32(x, T, H, L->gate_up, I, 0, act)) {
+                cbgen_small_gemm_f32(x, T, H, L->gate_up, 2 * I, 0, gu);
+                cbgen_silu_mul_f32(gu, T, I, act);
+            }
             cbgen_small_gemm_f32(act, T, I, L->down, H, 0, h);
         }
     }
