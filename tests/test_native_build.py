@@ -37,22 +37,38 @@ def test_every_kernel_source_compiles_and_the_library_loads(tmp_path: Path) -> N
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
 @pytest.mark.skipif(build.find_compiler() is None, reason="no C compiler")
-def test_the_prefill_kernels_avx512_tiles_compile_on_any_x86_compiler(tmp_path: Path) -> None:
-    """The prefill kernel keeps one tile layout per ISA: the AVX-512 one must keep compiling on
-    a machine whose native build takes the AVX2 one (and the other way round)."""
+@pytest.mark.parametrize(
+    "isa",
+    [AVX512_FLAGS, (*AVX512_FLAGS, "-mavx512bf16"), AVX2_FLAGS],
+    ids=["avx512", "avx512-bf16", "avx2"],
+)
+def test_every_kernels_avx512_and_avx2_paths_compile_and_link_on_any_x86_compiler(
+    isa: tuple[str, ...], tmp_path: Path
+) -> None:
+    """The kernels keep one code path per ISA (the prefill tiles, small_gemm's tiles and row
+    blocks, the decode attention's scores, the bf16 and int16 heads): the AVX-512 ones must keep
+    compiling, and the library linking with nothing left undefined, on a machine whose native
+    build takes the AVX2 ones (and the other way round). Nothing is run."""
     cc = build.find_compiler()
     assert cc is not None
-    source = build._CSRC / "prefill_attention.c"
-    for isa in (AVX512_FLAGS, AVX2_FLAGS):
-        flags = [*build._FLAGS, *build._SRCS[source], *isa]
+    objs = []
+    for i, (source, source_flags) in enumerate(build._SRCS.items()):
+        flags = [*build._FLAGS, *source_flags, *isa]
+        objs.append(str(tmp_path / f"{i}.o"))
         done = subprocess.run(
-            [cc, *flags, "-c", str(source), "-o", str(tmp_path / "x.o")],
-            capture_output=True,
-            text=True,
+            [cc, *flags, "-c", str(source), "-o", objs[-1]], capture_output=True, text=True
         )
         assert done.returncode == 0, f"{source.name} with {' '.join(isa)}:\n{done.stderr}"
-        macros = build.probe_target(cc, tuple(flags)).macros
-        assert ("__AVX512F__" in macros) == (isa == AVX512_FLAGS)
+    lib = str(tmp_path / "lib.so")
+    done = subprocess.run(
+        [cc, "-shared", "-fopenmp", "-Wl,--no-undefined", *objs, "-o", lib, "-lm"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    macros = build.probe_target(cc, (*build._FLAGS, *isa)).macros
+    assert ("__AVX512F__" in macros) == (isa != AVX2_FLAGS)
+    assert ("__AVX512BF16__" in macros) == ("-mavx512bf16" in isa)
 
 
 @pytest.fixture(scope="module", params=["native", "avx2"])
