@@ -15,8 +15,9 @@ CPU build (docs/PERFORMANCE.md says how to build it). Steps:
      quiet machine: cbgen, transformers generate (static batches of 32), transformers
      continuous batching, and vLLM's CPU build when --vllm-python is given;
   5. print one table: tokens/s, ratio to cbgen, each system's share of the fp32 peak over the
-     whole run (the workload's matmuls and attention at the peak: its ceiling), start-up, peak memory, the load other processes put on the machine during
-     each run; then cbgen's model FLOP utilisation, and the CPU's model and flags.
+     whole run (of the ceiling: the workload's matmuls and attention at the peak), start-up,
+     peak memory, the load other processes put on the machine during each run; then cbgen's
+     model FLOP utilisation, and the CPU's model and flags.
 
 Only ratios from one run count: absolute numbers drift on shared machines.
 """
@@ -292,9 +293,9 @@ def mfu_lines(cb: dict[str, Any], peak_gflops: float) -> list[str]:
 
 def workload_gflop(w: dict[str, int], cb_extra: dict[str, float]) -> float | None:
     """The matmul work the workload needs, in GFLOP, whoever runs it: 2 x non-embedding
-    parameters per prompt and output token, plus 2 x LM-head parameters per output token
-    (the attention is attention_gflop's; cache hits and recomputes change neither). The parameter counts
-    come from cbgen's run (cbgen_worker.flop_summary); None without one."""
+    parameters per prompt and output token, plus 2 x LM-head parameters per output token (the
+    attention is attention_gflop's; cache hits and recomputes change neither). The parameter
+    counts come from cbgen's run (cbgen_worker.flop_summary); None without one."""
     computed = cb_extra.get("computed_tokens", 0.0)
     if computed <= 0:
         return None
