@@ -48,6 +48,21 @@ int64_t cbgen_small_gemm_blocked_rows(void);
 void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
 void cbgen_gelu_tanh_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
 
+/* act [T, I] = SiLU (gelu 0) or GELU (gelu 1) of x @ W_gate times x @ W_up: applied to the
+ * matmul's tiles from small_gemm's row blocks on, else the product gu [T, 2I] and then the
+ * activation pass (the same bits either way). */
+static void gated(const float *x, int64_t T, int64_t H, const float *gate_up, int64_t I, int gelu,
+                  float *gu, float *act) {
+    if (T >= cbgen_small_gemm_blocked_rows() &&
+        cbgen_small_gemm_gated_f32(x, T, H, gate_up, I, gelu, act) == 0)
+        return;
+    cbgen_small_gemm_f32(x, T, H, gate_up, 2 * I, 0, gu);
+    if (gelu)
+        cbgen_gelu_tanh_mul_f32(gu, T, I, act);
+    else
+        cbgen_silu_mul_f32(gu, T, I, act);
+}
+
 /* One layer's weights (small_gemm's panels) and its cache. */
 typedef struct {
     const float *input_norm, *post_norm; /* [H] */
@@ -106,22 +121,13 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
             cbgen_small_gemm_f32(o, T, q, L->o, H, 0, a);
             cbgen_add_rmsnorm_f32(a, 0, L->post_norm, m->eps, T, H, h);
             cbgen_add_rmsnorm_f32(residual, h, L->pre_ff_norm, m->eps, T, H, x);
-            if (T < cbgen_small_gemm_blocked_rows() ||
-                cbgen_small_gemm_gated_f32(x, T, H, L->gate_up, I, 1, act)) {
-                cbgen_small_gemm_f32(x, T, H, L->gate_up, 2 * I, 0, gu);
-                cbgen_gelu_tanh_mul_f32(gu, T, I, act);
-            }
+            gated(x, T, H, L->gate_up, I, 1, gu, act);
             cbgen_small_gemm_f32(act, T, I, L->down, H, 0, a);
             cbgen_add_rmsnorm_f32(a, 0, L->post_ff_norm, m->eps, T, H, h);
         } else {
             cbgen_small_gemm_f32(o, T, q, L->o, H, 0, h);
             cbgen_add_rmsnorm_f32(residual, h, L->post_norm, m->eps, T, H, x);
-            /* from where small_gemm takes row blocks, SiLU x up on its tiles: the same bits */
-            if (T < cbgen_small_gemm_blocked_rows() ||
-                cbgen_small_gemm_gated_f32(x, T, H, L->gate_up, I, 0, act)) {
-                cbgen_small_gemm_f32(x, T, H, L->gate_up, 2 * I, 0, gu);
-                cbgen_silu_mul_f32(gu, T, I, act);
-            }
+            gated(x, T, H, L->gate_up, I, 0, gu, act);
             cbgen_small_gemm_f32(act, T, I, L->down, H, 0, h);
         }
     }
