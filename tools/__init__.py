@@ -9,3 +9,27 @@
 The peer comparison starts its workers (cbgen_worker, hf_worker, vllm_worker) and the matmul
 peak (matmul_peak) as `python -m tools.<name>` subprocesses; peer_common is what they share.
 """
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "kernels"
+
+
+def kernels_importable(children: bool = False) -> None:
+    """Make cbgen and cbgen_kernels (kernels/cbgen_kernels, mapped by the package's install)
+    importable from this checkout without an install, as on the GPU machine, where nothing is
+    installed and the checkout is on PYTHONPATH. children: also put both on PYTHONPATH for the
+    processes this one starts."""
+    for folder in (str(ROOT), str(KERNELS)):
+        if folder not in sys.path:
+            sys.path.append(folder)
+    if children:
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        paths += [f for f in (str(ROOT), str(KERNELS)) if f not in paths]
+        os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+
+
+kernels_importable()

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-TOTAL_BUDGET_S = 330.0
-"""Of the 6 minutes: the rest is start-up and the final write."""
+TOTAL_BUDGET_S = 300.0
+"""Five minutes for the sections, of the six a run may take: a minute is left for start-up
+(imports, CUDA context), the final write and slack."""
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,6 +59,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="results file (default docs/measurements/gpu_check_<commit>.json)",
     )
     ap.add_argument("--commit", help="the commit to name the results by, where git is missing")
+    ap.add_argument(
+        "--plan",
+        action="store_true",
+        help="print each section's time budget and the Triton variants it compiles; run nothing",
+    )
     return ap.parse_args(argv)
 
 
@@ -71,26 +77,35 @@ def _environment(device: str) -> None:
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(name, "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers 5 may swap in kernels from the hub, which needs the network
+    os.environ["USE_HUB_KERNELS"] = "0"
 
 
 if __name__ == "__main__":
     _environment(_parse_args(sys.argv[1:]).device)
+
+# cbgen_kernels from this checkout, here and in the processes the sections start (the GPU
+# machine has no install: only the checkout on PYTHONPATH)
+from tools import kernels_importable  # noqa: E402
+
+kernels_importable(children=True)
 
 import torch  # noqa: E402
 
 from tools import gpu_sections  # noqa: E402
 from tools.gpu_sections import CheckContext  # noqa: E402
 
-# (name, section, share of the total budget in seconds)
+# (name, section, share of the total budget in seconds); the shares sum to TOTAL_BUDGET_S
 SECTIONS: list[tuple[str, Callable[[CheckContext], bool], float]] = [
-    ("kernels", gpu_sections.kernels, 80),
-    ("greedy_fp32", gpu_sections.greedy_fp32, 45),
+    ("kernels", gpu_sections.kernels, 15),
+    ("greedy_fp32", gpu_sections.greedy_fp32, 55),
     ("bf16_top1", gpu_sections.bf16_top1, 20),
-    ("sampling", gpu_sections.sampling, 30),
-    ("memory", gpu_sections.memory, 30),
-    ("graphs", gpu_sections.graphs, 25),
-    ("throughput", gpu_sections.throughput, 70),
-    ("roofline_8b", gpu_sections.roofline_8b, 30),
+    ("sampling", gpu_sections.sampling, 25),
+    ("memory", gpu_sections.memory, 20),
+    ("graphs", gpu_sections.graphs, 35),
+    ("throughput", gpu_sections.throughput, 50),
+    ("roofline_8b", gpu_sections.roofline_8b, 20),
+    ("kernel_tests", gpu_sections.kernel_tests, 60),
 ]
 TARGETS = {
     # name: (where the value is, target, met)
@@ -199,6 +214,9 @@ def write(path: Path, results: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plan:
+        print(plan_text(args))
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(
@@ -220,28 +238,91 @@ def run(args: argparse.Namespace) -> int:
         "env": info,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "sections": {},
+        "failed": {},
     }
     start = time.monotonic()
-    scale = args.budget_s / TOTAL_BUDGET_S
     with tempfile.TemporaryDirectory(prefix="cbgen-gpu-check-") as folder:
-        ctx = CheckContext(device, args.quick, Path(folder))
-        for name, section, share in SECTIONS:
-            if not args.only or name in args.only:
-                limit = min(share * scale, args.budget_s - (time.monotonic() - start))
-                results["sections"][name] = run_section(ctx, section, limit)
-                results["seconds"] = round(time.monotonic() - start, 1)
-                write(path, results)
-                _report(name, results["sections"][name])
+        ctx = CheckContext(device, args.quick, Path(folder), log_prefix=path.with_suffix(""))
+        for name, section, deadline in schedule(args):
+            now = time.monotonic() - start
+            limit = min(deadline, args.budget_s) - now
+            record = run_section(ctx, section, limit)
+            results["sections"][name] = record
+            if not record["passed"]:
+                results["failed"][name] = why(record)
+            results["seconds"] = round(time.monotonic() - start, 1)
+            write(path, results)
+            _report(name, record)
     results["finished"] = True
     write(path, results)
     print(f"results: {path}")
     return 0 if all(r["passed"] for r in results["sections"].values()) else 1
 
 
+def schedule(
+    args: argparse.Namespace,
+) -> list[tuple[str, Callable[[CheckContext], bool], float]]:
+    """(name, section, deadline in seconds from the start) of each section to run: a section
+    may run until the sum of its own share and those before it (scaled to --budget-s), so one
+    that finishes early passes its time on."""
+    chosen = [(n, f, share) for n, f, share in SECTIONS if not args.only or n in args.only]
+    scale = args.budget_s / sum(share for _, _, share in chosen)
+    out, total = [], 0.0
+    for name, section, share in chosen:
+        total += share * scale
+        out.append((name, section, total))
+    return out
+
+
+def plan_text(args: argparse.Namespace) -> str:
+    """--plan: each section with its budget and the Triton variants it is expected to compile
+    (kernel and constexpr values), nothing run."""
+    lines = [
+        f"{len(SECTIONS)} sections, {args.budget_s:.0f} s in all "
+        f"(a section may use what those before it left)"
+    ]
+    before = 0.0
+    seen: set[str] = set()
+    for name, _, deadline in schedule(args):
+        compiles = gpu_sections.expected_compiles(name, args.quick)
+        new = [c for c in compiles if c not in seen]
+        seen.update(compiles)
+        lines.append(
+            f"{name:12s} {deadline - before:5.0f} s (until {deadline:3.0f} s)  "
+            f"{len(new)} new Triton variants ({len(compiles) - len(new)} compiled before)"
+        )
+        lines += [f"    {c}" for c in new]
+        before = deadline
+    return "\n".join(lines)
+
+
+def why(record: dict[str, Any]) -> str:
+    """One line: why a section failed (its error, the budget it ran out of, or the checks
+    whose verdict was false)."""
+    if "skipped" in record:
+        return f"skipped: {record['skipped']}"
+    if "error" in record:
+        return str(record["error"]).splitlines()[0][:300] if record["error"] else "error"
+    false = _false_checks(record["figures"])
+    return "checks false: " + (", ".join(false) if false else "(none named)")
+
+
+def _false_checks(figures: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(figures, dict):
+        for k, v in figures.items():
+            if v is False:
+                out.append(prefix + str(k))
+            else:
+                out += _false_checks(v, f"{prefix}{k}.")
+    return out
+
+
 def run_section(
     ctx: CheckContext, section: Callable[[CheckContext], bool], limit: float
 ) -> dict[str, Any]:
-    """{passed, seconds, figures} and, if it failed by an exception, the error and traceback."""
+    """{passed, seconds, figures} and, if it failed by an exception, the error and traceback.
+    Whatever happens, the figures measured so far are kept."""
     if limit < 5:
         return {
             "passed": False,
@@ -255,24 +336,28 @@ def run_section(
     try:
         with _time_limit(limit):
             record = {"passed": bool(section(ctx))}
-    except Exception as e:  # a failing section is a result; the run goes on
+    except BaseException as e:  # a failing section is a result; the run goes on
+        if isinstance(e, KeyboardInterrupt):
+            raise
         record = {
             "passed": False,
             "error": f"{type(e).__name__}: {e}",
             "traceback": traceback.format_exc(limit=-12),
         }
     record["figures"] = ctx.figures
-    ctx.free()
+    record["budget_s"] = round(limit, 1)
+    try:  # after an illegal memory access even empty_cache raises
+        ctx.free()
+    except Exception as e:
+        record["free_error"] = f"{type(e).__name__}: {e}"
     record["seconds"] = round(time.monotonic() - t0, 1)
     return record
 
 
 def _report(name: str, record: dict[str, Any]) -> None:
     verdict = "PASS" if record["passed"] else ("SKIPPED" if "skipped" in record else "FAIL")
-    print(
-        f"{name:12s} {verdict:7s} {record['seconds']:6.1f} s  {record.get('error') or _brief(record['figures'])}",
-        flush=True,
-    )
+    detail = _brief(record["figures"]) if record["passed"] else why(record)
+    print(f"{name:12s} {verdict:7s} {record['seconds']:6.1f} s  {detail}", flush=True)
 
 
 def _brief(figures: dict[str, Any]) -> str:

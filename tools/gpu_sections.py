@@ -3,7 +3,7 @@ own time budget). Each takes the run's CheckContext, puts what it measures into 
 it goes (a section interrupted by its budget keeps what it had) and returns whether it passed;
 an exception is the driver's to record.
 
-    kernels       the kernel tests compiled for this GPU; no recompile across steps of one shape
+    kernels       decode steps against the torch reference; no recompile across steps of one shape
     greedy_fp32   float32 greedy tokens identical to transformers' (head_dim 64 and 128, GQA,
                   Qwen2 bias, Qwen3 Q/K norm), for every backend that runs here
     bf16_top1     bfloat16 teacher-forced top-1 against transformers in float32: >= 99 %
@@ -16,6 +16,7 @@ an exception is the driver's to record.
                   ShareGPT-like workload; a SmolLM2-135M-shape decode step at batch 256
     roofline_8b   a Llama-8B-shape decode step at batch 256, context 512, against the time to
                   read its weights and KV once at 4.3 TB/s
+    kernel_tests  the kernel, backend and GPU-path suites compiled for this GPU, in the time left
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,7 +42,8 @@ from cbgen.engine.cuda_graphs import capture_sizes
 from cbgen.engine.engine import Engine
 from cbgen.engine.profile import build_profile_batch
 from cbgen.llm import LLM
-from cbgen.models.config import BUILTIN_SHAPES
+from cbgen.models.config import BUILTIN_SHAPES, ModelConfig
+from cbgen.models.triton_ops import TritonOps
 from tools.gpu_fixtures import (
     CHECKPOINTS,
     QUICK_CHECKPOINTS,
@@ -66,6 +69,8 @@ class CheckContext:
     """Toy shapes and sizes: the CPU smoke test of this script."""
     folder: Path
     """Where the checkpoints are built (a temporary folder the driver removes)."""
+    log_prefix: Path | None = None
+    """Where logs worth keeping go (PREFIX.pytest.log); None: into folder."""
     end: float = 0.0
     """time.monotonic() at which the running section's budget is spent."""
     figures: dict[str, Any] = field(default_factory=dict)
@@ -119,46 +124,86 @@ def _vocab(ctx: CheckContext, name: str) -> int:
 
 def kernels(ctx: CheckContext) -> bool:
     """Decode steps of one model shape at changing batch sizes, block-table widths and token
-    counts: the kernels answer as the torch reference does and compile once per variant. Then,
-    in a fresh process, the kernel, backend and GPU-path tests with CUDA present (compiled for
-    this GPU; not in quick mode, where the CPU suite runs them under the interpreter)."""
+    counts: the kernels answer as the torch reference does and compile once per variant."""
+    ctx.figures.update(_decode_steps_compile_once(ctx))
+    return bool(ctx.figures["passed"])
+
+
+def kernel_tests(ctx: CheckContext) -> bool:
+    """In a fresh process, the kernel, backend and GPU-path test suites with CUDA present
+    (compiled for this GPU), in whatever time the sections before left; not in quick mode, where
+    the CPU suite runs them under the interpreter. Last: the slowest to compile and the one the
+    CPU suite covers best."""
     f = ctx.figures
-    f["steps"] = _decode_steps_compile_once(ctx)
-    passed = bool(f["steps"]["passed"])
     if ctx.quick:
-        return passed
+        f["skipped"] = "quick mode: the CPU suite runs these under the interpreter"
+        return True
+    # compiled for this GPU; PYTHONPATH holds the checkout and kernels/ (tools.gpu_check)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tests = [
-        "tests/test_kernels.py",
-        "tests/test_backends.py",
-        "tests/test_gpu_path.py",
-        "tests/test_device_draws.py",
-        "tests/test_rope_write_kv.py",
-        "tests/test_moe.py::test_triton_grouped_moe_matches_the_reference",
-        "tests/test_moe.py::test_triton_grouped_moe_refuses_mismatched_weights",
-        "tests/test_moe.py::test_triton_ops_greedy_tokens_match_torch_ops",
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        *tests,
-        "-k",
-        "not runs_on_the_cpu",
-    ]
-    if _has_module("xdist"):
-        cmd += ["-n", "8"]  # compiles the kernel variants in parallel
-    res = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(5.0, ctx.left() - 5)
+    log = ctx.folder / "check" if ctx.log_prefix is None else ctx.log_prefix
+    res = _pytest(
+        GPU_TESTS, env, timeout=max(5.0, ctx.left() - 5), log=log.with_suffix(".pytest.log")
     )
-    lines = res.stdout.strip().splitlines()
-    f["pytest"] = lines[-1] if lines else res.stderr[-500:]
-    if res.returncode != 0:
-        f["pytest_output"] = (res.stdout + res.stderr)[-4000:]
-    return passed and res.returncode == 0
+    f["pytest"] = res["summary"]
+    if not res["passed"]:
+        f["pytest_failures"] = res["failures"]
+        f["pytest_output"] = res["tail"]
+    return bool(res["passed"])
+
+
+GPU_TESTS = [
+    "tests/test_kernels.py",
+    "tests/test_backends.py",
+    "tests/test_gpu_path.py",
+    "tests/test_device_draws.py",
+    "tests/test_rope_write_kv.py",
+    "tests/test_moe.py::test_triton_grouped_moe_matches_the_reference",
+    "tests/test_moe.py::test_triton_grouped_moe_refuses_mismatched_weights",
+    "tests/test_moe.py::test_triton_ops_greedy_tokens_match_torch_ops",
+]
+"""The suites that run compiled on a GPU (their CPU-only tests are named runs_on_the_cpu)."""
+PYTEST_WORKERS = 4
+"""xdist workers: they compile kernel variants in parallel, each holding a CUDA context."""
+
+
+def _pytest(tests: list[str], env: dict[str, str], timeout: float, log: Path) -> dict[str, Any]:
+    """Run pytest on tests in a new process group, its output into log. Past timeout the whole
+    group (xdist workers too) is killed and what it printed so far is kept."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider"]
+    cmd += [*tests, "-k", "not runs_on_the_cpu"]
+    if _has_module("xdist"):
+        cmd += ["-n", str(PYTEST_WORKERS)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except BaseException as e:  # the timeout, or the section's own budget running out
+            timed_out = isinstance(e, subprocess.TimeoutExpired)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if not timed_out:
+                raise
+    text = log.read_text(errors="replace")
+    lines = text.splitlines()
+    passed = sum(" PASSED" in line for line in lines)
+    failures = [
+        line
+        for line in lines
+        if line.startswith(("FAILED", "ERROR")) or " FAILED " in line or " ERROR " in line
+    ]
+    if timed_out:
+        summary = f"killed after {timeout:.0f} s: {passed} passed, {len(failures)} failed so far"
+    else:
+        summary = lines[-1] if lines else "(no output)"
+    return {
+        "passed": not timed_out and proc.returncode == 0,
+        "summary": summary,
+        "failures": failures[:40],
+        "tail": text[-4000:],
+    }
 
 
 def _has_module(name: str) -> bool:
@@ -274,8 +319,12 @@ def greedy_fp32(ctx: CheckContext) -> bool:
         backends = ["triton", "torch"] if ctx.cuda else (["auto", "triton"] if i == 0 else ["auto"])
         base: Engine | None = None
         for backend in backends:
+            # 8 slots (graphs for 1, 2, 4, 8 only), contexts well inside 512
             options = dict(
-                attention_backend=backend, max_num_batched_tokens=8 if ctx.quick else 128
+                attention_backend=backend,
+                max_num_batched_tokens=8 if ctx.quick else 128,
+                max_num_seqs=8,
+                max_model_len=512,
             )
             engine = (
                 ctx.engine(path, "float32", **options)
@@ -316,7 +365,8 @@ def bf16_top1(ctx: CheckContext) -> bool:
         hf = hf.to(torch.bfloat16)
         hf_bf16 = [hf(torch.tensor([s], device=ctx.device)).logits[0].argmax(-1) for s in seqs]
     del hf
-    engine = ctx.engine(path, "bfloat16", attention_backend="triton")  # the GPU default
+    # the GPU default backend; one prefill step here, no decode step: no graphs to capture
+    engine = ctx.engine(path, "bfloat16", attention_backend="triton", enforce_eager=True)
     got = _teacher_forced_top1(engine, seqs)
     total = sum(len(s) for s in seqs)
     agree = sum(int((g == w).sum()) for g, w in zip(got, want, strict=True)) / total
@@ -359,7 +409,7 @@ def sampling(ctx: CheckContext) -> bool:
     path = ctx.checkpoint(name)
     n = 10 if ctx.quick else 24
     p = sharegpt_like_prompts(10, _vocab(ctx, name), seed=11, max_len=30)
-    engine = ctx.engine(path, "float32")
+    engine = ctx.engine(path, "float32", max_num_seqs=16, max_model_len=512)
     llm = LLM(engine=engine)
     checks = ctx.figures
     greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -599,12 +649,45 @@ def throughput(ctx: CheckContext) -> bool:
         )
     del engine, caches
     ctx.free()
+    missing = _transformers_cb_missing()
+    if missing is not None:  # its API moved within 5.x: a figure we lack, not a failure
+        f["transformers_cb"] = f"not available: {missing}"
+        return True
     hf = _hf_model(path, torch.bfloat16, ctx.device)
     f["transformers_cb"] = _run_transformers_cb(hf, warm, prompts, out_len, seqs, budget)
     del hf
     ctx.free()
     f["vs_transformers_cb"] = f["cbgen"]["total_tok_s"] / f["transformers_cb"]["total_tok_s"]
     return True
+
+
+def _transformers_cb_missing() -> str | None:
+    """Why transformers' continuous batching cannot run as _run_transformers_cb calls it
+    (None: it can): ContinuousBatchingConfig and generate_batch's keywords."""
+    import inspect
+
+    import transformers
+
+    if not hasattr(transformers, "ContinuousBatchingConfig"):
+        return f"transformers {transformers.__version__} has no ContinuousBatchingConfig"
+    cfg = inspect.signature(transformers.ContinuousBatchingConfig).parameters
+    absent = [
+        k for k in ("num_blocks", "max_batch_tokens", "max_requests_per_batch") if k not in cfg
+    ]
+    try:
+        from transformers.generation.continuous_batching import ContinuousMixin
+
+        batch = inspect.signature(ContinuousMixin.generate_batch).parameters
+    except (ImportError, AttributeError) as e:
+        return f"transformers {transformers.__version__}: no generate_batch ({e})"
+    absent += [
+        k
+        for k in ("inputs", "generation_config", "continuous_batching_config", "persistent_manager")
+        if k not in batch
+    ]
+    if absent:
+        return f"transformers {transformers.__version__} lacks {', '.join(absent)}"
+    return None
 
 
 # ---- graphs ---------------------------------------------------------------------------------
@@ -659,8 +742,10 @@ def graphs(ctx: CheckContext) -> bool:
         mean_common_prefix=prefix,
         replayed_steps=replays["steps"],
         padded_steps=replays["padded"],
+        graphs_off=base.graphs_off,
     )
-    passed = same == num and replays["padded"] > 0
+    # a capture that failed falls back to eager steps: on CUDA the graphs must have replayed
+    passed = same == num and replays["padded"] > 0 and (replays["steps"] > 0 or not ctx.cuda)
     del base, eager
     ctx.free()
     # timing: the throughput model, short prompts, every request decoding
@@ -726,24 +811,162 @@ def roofline_8b(ctx: CheckContext) -> bool:
     dtype = torch.bfloat16
     ctx.free()
     model = random_model(cfg, dtype, ctx.device, context + 16)
+    if ctx.cuda:
+        model.ops = TritonOps()  # as load_model gives every CUDA model
     backend = get_attention_backend("auto", ctx.device, dtype, 16)
     step = decode_batch(batch, context, 16, cfg.vocab_size, ctx.device)
     caches = kv_caches(cfg, step.num_blocks, 16, dtype, ctx.device)
-    seconds = time_decode_step(model, backend, caches, step, ctx.sync, iters=3 if ctx.quick else 10)
     read = decode_bytes_read(cfg, batch, context, dtype)
     roof = read / HBM_BYTES_PER_S
-    ctx.figures.update(
-        {
-            "shape": shape,
-            "batch": batch,
-            "context": context,
-            "backend": backend.name,
-            "step_ms": 1000 * seconds,
-            "roofline_ms": 1000 * roof,
-            "gb_read": read / 1e9,
-            f"ratio_{shape}_b{batch}_ctx{context}": seconds / roof,
-        }
+    f = ctx.figures
+    f.update(
+        shape=shape,
+        batch=batch,
+        context=context,
+        backend=backend.name,
+        ops=type(model.ops).__name__,
+        roofline_ms=1000 * roof,
+        gb_read=read / 1e9,
     )
+    iters = 3 if ctx.quick else 10
+    # eager first (its figure kept if the capture fails), then as the engine runs a decode
+    # step on CUDA: the forward pass replayed from a graph; the ratio is of the engine's way
+    for graph in [False, True] if ctx.cuda else [False]:
+        label = "graphs" if graph else "eager"
+        seconds = time_decode_step(model, backend, caches, step, ctx.sync, iters, graph=graph)
+        f[f"step_ms_{label}"] = 1000 * seconds
+        f["step_ms"] = 1000 * seconds
+        f[f"ratio_{shape}_b{batch}_ctx{context}"] = seconds / roof
     del model, caches
     ctx.free()
     return True
+
+
+# ---- the plan (--plan) ----------------------------------------------------------------------
+
+# (checkpoint or builtin shape, dtype, attention backend, decode steps split keys, sampled) of
+# each section's engines and models, as the sections above build them (quick: toy shapes)
+_SECTION_MODELS: dict[str, list[tuple[str, str, str, bool, bool]]] = {
+    "kernels": [],  # expected_compiles lists the decode steps' variants itself
+    "kernel_tests": [],  # the suites' own variants
+    "greedy_fp32": [
+        (n, "fp32", b, True, False)
+        for n in ("llama-hd64-gqa4", "llama-hd128-gqa4", "qwen2-hd64-gqa6", "qwen3-hd128-gqa2")
+        for b in ("triton", "torch")
+    ],
+    "bf16_top1": [("llama-hd128-gqa4", "bf16", "triton", False, False)],
+    "sampling": [("llama-hd64-gqa4", "fp32", "triton", True, True)],
+    "memory": [("smollm2-135m", "bf16", "triton", True, True)],
+    "graphs": [
+        ("llama-hd64-gqa4", "fp32", "triton", False, False),
+        ("smollm2-135m", "bf16", "triton", True, False),
+    ],
+    "throughput": [("smollm2-135m", "bf16", "triton", True, False)],
+    "roofline_8b": [("llama-8b", "bf16", "triton", True, False)],
+}
+_QUICK_NAMES = {
+    "llama-hd64-gqa4": "llama-hd64-gqa2",
+    "llama-hd128-gqa4": "llama-hd128-gqa2",
+    "qwen2-hd64-gqa6": "qwen2-hd64-gqa2",
+    "qwen3-hd128-gqa2": "qwen3-hd64-gqa2",
+    "llama-8b": "tiny-llama",
+}
+
+
+def _variant(kernel: str, **constexprs: Any) -> str:
+    return f"{kernel}[" + ", ".join(f"{k}={v}" for k, v in constexprs.items()) + "]"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _attention_variants(
+    heads: int, kv_heads: int, head_dim: int, dtype: str, mixed: bool, split: bool
+) -> list[str]:
+    """paged_attention for mixed steps, decode steps and split decode steps, and the merge."""
+    from cbgen_kernels.attention import MAX_SPLITS, choose_config
+
+    out = []
+    kinds = ([(512, False)] if mixed else []) + [(1, False)] + ([(1, True)] if split else [])
+    for max_q, split_keys in kinds:
+        c = choose_config(heads, kv_heads, head_dim, max_q)
+        out.append(
+            _variant(
+                "paged_attention",
+                dtype=dtype,
+                GROUP=heads // kv_heads,
+                HEAD_DIM=head_dim,
+                BLOCK_Q=c.block_q,
+                BLOCK_M=c.block_m,
+                BLOCK_N=c.block_n,
+                SPLIT=split_keys,
+            )
+        )
+    if split:
+        out.append(_variant("merge_splits", dtype=dtype, HEAD_DIM=head_dim, SPLITS_PAD=MAX_SPLITS))
+    return out
+
+
+def _model_variants(
+    shape: ModelConfig | dict[str, Any], dtype: str, backend: str, split: bool, sampled: bool
+) -> list[str]:
+    """The Triton variants an engine of this shape compiles: TritonOps' element-wise kernels,
+    the attention kernels (triton backend) and the sampler's draws."""
+    if isinstance(shape, dict):
+        heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+        hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+        head_dim = shape.get("head_dim", hidden // heads)
+        qk_norm = shape["model_type"] == "qwen3"
+    else:
+        heads, kv, hidden = shape.num_attention_heads, shape.num_key_value_heads, shape.hidden_size
+        inter, head_dim, qk_norm = shape.intermediate_size, shape.head_dim, False
+    out = [
+        _variant("add_rmsnorm", dtype=dtype, N=hidden, BLOCK=_pow2(hidden), HAS_H=h)
+        for h in (False, True)
+    ]
+    half = head_dim // 2
+    if backend == "triton" and not qk_norm:
+        out.append(
+            _variant(
+                "rope_write_kv",
+                dtype=dtype,
+                NUM_HEADS=heads,
+                NUM_KV_HEADS=kv,
+                HEAD_DIM=head_dim,
+                HALF=half,
+            )
+        )
+    else:
+        out.append(
+            _variant("rope", dtype=dtype, NUM_HEADS=heads + kv, HEAD_DIM=head_dim, HALF=half)
+        )
+        if backend == "triton":
+            out.append(_variant("write_kv_cache", dtype=dtype, NUM_KV_HEADS=kv, HEAD_DIM=head_dim))
+    out.append(_variant("silu_mul", dtype=dtype, INTER=inter))
+    if backend == "triton":
+        out += _attention_variants(heads, kv, head_dim, dtype, mixed=True, split=split)
+    if sampled:
+        out.append(_variant("uniform_draws", BLOCK=128))
+    return out
+
+
+def expected_compiles(section: str, quick: bool) -> list[str]:
+    """The Triton variants (kernel and constexpr values) a section is expected to compile;
+    the kernels section's pytest run compiles the suites' own besides."""
+    if section == "kernels":
+        heads, kv, head_dim, dtype = (8, 2, 64, "fp32") if quick else (32, 8, 128, "bf16")
+        return _attention_variants(heads, kv, head_dim, dtype, mixed=False, split=True)
+    if section == "kernel_tests":
+        return [] if quick else ["(the suites' own: " + ", ".join(GPU_TESTS) + ")"]
+    shapes = QUICK_CHECKPOINTS if quick else CHECKPOINTS
+    out: list[str] = []
+    for name, dtype, backend, split, sampled in _SECTION_MODELS[section]:
+        name = _QUICK_NAMES.get(name, name) if quick else name
+        shape = shapes.get(name) or BUILTIN_SHAPES[name]
+        if quick and name == "smollm2-135m":
+            split = False
+        for v in _model_variants(shape, dtype, backend, split, sampled):
+            if v not in out:
+                out.append(v)
+    return out

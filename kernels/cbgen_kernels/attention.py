@@ -31,8 +31,8 @@ over qsl and a program past its sequence's last token returns at once.
 Inside a program: online softmax over key tiles of BLOCK_N keys gathered through the block
 table (a key tile may span several pages), in float32, base 2 (scale folded with log2(e)).
 
-Split-KV (flash-decoding): with NUM_SPLITS > 1 the keys of each sequence are cut into
-NUM_SPLITS ranges of equal length (a multiple of BLOCK_N); program (tile, head, s) attends to
+Split-KV (flash-decoding): with num_splits > 1 the keys of each sequence are cut into
+num_splits ranges of equal length (a multiple of BLOCK_N); program (tile, head, s) attends to
 range s only and writes its normalised partial output and its log-sum-exp. A merge kernel
 combines them: out = sum_s exp2(lse_s - max) * out_s / sum_s exp2(lse_s - max). Under a
 window the ranges cut [first key of the tile's first row, seq_len) instead. A range a row
@@ -63,8 +63,19 @@ that the visibility mask zeroes, never inf - inf."""
 # recompiles whenever they cross one of those lines: the batch's sequence count, the block
 # table's width (it follows the longest context) and the split workspace's strides (they follow
 # the step's token count). Strides fixed by the model's shape stay specialised.
-STEP_DEPENDENT_ARGS = ("num_seqs", "stride_out_split", "stride_lse_split", "stride_block_table")
-MERGE_STEP_DEPENDENT_ARGS = ("stride_part_split", "stride_lse_split")
+# The split count is a run-time argument for the same reason: it follows the batch size and the
+# longest context, and a compile per count (5-6 counts per model over the graph buckets on a
+# 132-SM GPU) would cost seconds each. Only whether the keys are split (SPLIT) is compiled in.
+STEP_DEPENDENT_ARGS = (
+    "num_seqs",
+    "num_splits",
+    "stride_out_split",
+    "stride_lse_split",
+    "stride_block_table",
+)
+MERGE_STEP_DEPENDENT_ARGS = ("num_splits", "stride_part_split", "stride_lse_split")
+MAX_SPLITS = 16
+"""The merge kernel's compiled width: any split count up to this shares one variant."""
 
 
 @triton.jit(do_not_specialize=STEP_DEPENDENT_ARGS)
@@ -81,6 +92,7 @@ def _paged_attention_kernel(
     window,
     softcap,
     num_seqs,
+    num_splits,
     stride_q_tok,
     stride_q_head,
     stride_out_split,
@@ -99,7 +111,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -155,12 +167,12 @@ def _paged_attention_kernel(
     # its last row up to context_len + first_q + BLOCK_Q - 1, and nobody past seq_len - 1.
     kv_first = tl.where(window > 0, tl.maximum(context_len + first_q - window + 1, 0), 0)
     kv_end = tl.minimum(seq_len, context_len + first_q + BLOCK_Q)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         kv_lo = kv_first
         kv_hi = kv_end
     else:
         span = seq_len - kv_first
-        per_split = ((span + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        per_split = ((span + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         kv_lo = kv_first + split * per_split
         kv_hi = tl.minimum(kv_end, kv_lo + per_split)
 
@@ -206,7 +218,7 @@ def _paged_attention_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_offs = tok[:, None] * stride_out_tok + head[:, None] * stride_out_head + dims[None, :]
     out_mask = row_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         split64 = split.to(tl.int64)
@@ -231,15 +243,15 @@ def _merge_splits_kernel(
     stride_lse_tok,
     stride_out_tok,
     stride_out_head,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     lse = tl.load(
@@ -367,6 +379,7 @@ def _launch(
         sliding_window or 0,
         float(logit_softcap or 0.0),
         num_seqs,
+        cfg.num_splits,
         query.stride(0),
         query.stride(1),
         out.stride(0) if split_out else 0,
@@ -385,7 +398,7 @@ def _launch(
         BLOCK_Q=cfg.block_q,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        NUM_SPLITS=cfg.num_splits,
+        SPLIT=split_out,
         # The interpreter computes bfloat16 arithmetic wrongly (numpy has no bfloat16), so
         # there the dot operands are widened to float32 first; products of bf16 values are
         # exact in float32 either way.
@@ -518,12 +531,18 @@ def paged_attention_split_kv(
         lse.stride(1),
         out.stride(0),
         out.stride(1),
+        num_splits,
         HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        SPLITS_PAD=merge_width(num_splits),
     )
     return out
+
+
+def merge_width(num_splits: int) -> int:
+    """The merge kernel's compiled width for num_splits: MAX_SPLITS up to it (one variant for
+    every count the backend picks), the next power of two past it."""
+    return max(MAX_SPLITS, triton.next_power_of_2(num_splits))
 
 
 def num_sms(device: torch.device) -> int:

@@ -77,7 +77,12 @@ def _signature(fn: Any, pointers: dict[str, str], constexprs: dict[str, Any]) ->
 def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """(name, kernel, pointer types, constexprs) of what the backends launch for a model with
     head_dim 128, GQA 4 and 16-token pages, in one dtype ("bf16", "fp16" or "fp32")."""
-    from cbgen_kernels.attention import _merge_splits_kernel, _paged_attention_kernel, choose_config
+    from cbgen_kernels.attention import (
+        MAX_SPLITS,
+        _merge_splits_kernel,
+        _paged_attention_kernel,
+        choose_config,
+    )
     from cbgen_kernels.cache import _rope_write_kv_kernel, _write_kv_kernel
     from cbgen_kernels.elementwise import _rope_kernel, _silu_mul_kernel
     from cbgen_kernels.moe import _grouped_matmul_kernel
@@ -118,7 +123,7 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
             BLOCK_Q=cfg.block_q,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
-            NUM_SPLITS=splits,
+            SPLIT=splits > 1,
             UPCAST=False,
             DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
         )
@@ -128,7 +133,7 @@ def variants(dtype: str = "bf16") -> list[tuple[str, Any, dict[str, str], dict[s
             f"merge_splits[{dtype}]",
             _merge_splits_kernel,
             {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": f"*{dtype}"},
-            dict(HEAD_DIM=128, DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4),
+            dict(HEAD_DIM=128, DIM_PAD=128, SPLITS_PAD=MAX_SPLITS),
         )
     )
     # the element-wise ops (TritonOps) of a Llama-8B-shape layer: hidden 4096, 32 + 8 heads of

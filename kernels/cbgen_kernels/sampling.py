@@ -21,7 +21,9 @@ BLOCK = 128
 """Rows per program."""
 
 
-@triton.jit
+# n (the random rows of a step) changes every step: exempt from specialisation (n == 1, n % 16
+# == 0), or the sampler would compile new variants mid-run.
+@triton.jit(do_not_specialize=("n",))
 def _uniform_kernel(seed_ptr, counter_ptr, out_ptr, n, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = rows < n
