@@ -66,10 +66,57 @@ def test_the_bf16_head_is_chosen_from_the_cpu_flags_not_onednns_check(
     from cbgen.cpu import linear
 
     monkeypatch.setattr(linear, "bf16_matmul_supported", lambda: True)
-    monkeypatch.setattr(linear, "cpu_info", lambda: make_cpu(*flags))
+    monkeypatch.setattr(linear, "kernel_cpu", lambda: make_cpu(*flags))
     assert linear.bf16_matmul_fast() is fast
     monkeypatch.setattr(linear, "bf16_matmul_supported", lambda: False)
     assert linear.bf16_matmul_fast() is False  # and never where oneDNN cannot run it at all
+
+
+SAPPHIRE_RAPIDS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_bf16",
+                   "amx_tile", "amx_int8", "avx_vnni")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("isa", "kept"),
+    [
+        ("native", set(SAPPHIRE_RAPIDS)),
+        ("avx512", {"avx2", "fma", "avx512f", "avx512bw", "avx512_fp16", "avx_vnni"}),
+        ("avx2", {"avx2", "fma", "avx_vnni"}),
+    ],
+)
+def test_a_lower_isa_takes_away_the_flags_above_it(isa: str, kept: set[str]) -> None:
+    """CBGEN_CPU_ISA=avx512 on a Sapphire Rapids: no bf16 dot products (AVX-512 BF16 nor AMX),
+    so the paths decided by flags take those of an Ice Lake; avx2: no AVX-512 at all."""
+    cpu = make_cpu(*SAPPHIRE_RAPIDS)
+    assert cpu.has_isa(isa)
+    limited = cpu.limited_to(isa)
+    assert limited.flags == kept
+    assert limited.bf16_dot is (isa == "native") and limited.avx512 is (isa != "avx2")
+
+
+def test_the_isa_setting_is_refused_where_the_cpu_lacks_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cbgen.cpu import features
+
+    zen3, arm = make_cpu("avx2", "fma"), CpuInfo("arm", "aarch64", frozenset({"asimd", "bf16"}))
+    assert (
+        features.isa_refusal("avx2", zen3) is None and features.isa_refusal("native", arm) is None
+    )
+    assert features.isa_refusal("avx512", zen3) == (
+        "CBGEN_CPU_ISA=avx512 asks for AVX-512 (avx512f), which this CPU does not have"
+    )
+    assert features.isa_refusal("avx2", arm) == (
+        "CBGEN_CPU_ISA=avx2 asks for AVX2 and FMA, which this CPU does not have"
+    )
+    assert features.isa_refusal("avx-512", zen3) == (
+        "CBGEN_CPU_ISA=avx-512 is not one of native, avx512, avx2"
+    )
+    monkeypatch.setattr(features, "cpu_info", lambda: make_cpu(*SAPPHIRE_RAPIDS))
+    monkeypatch.delenv("CBGEN_CPU_ISA", raising=False)
+    assert features.isa_setting() == "native" and features.kernel_cpu().bf16_dot
+    monkeypatch.setenv("CBGEN_CPU_ISA", " AVX512 ")
+    assert features.isa_setting() == "avx512" and not features.kernel_cpu().bf16_dot
+    monkeypatch.setattr(features, "cpu_info", lambda: zen3)
+    assert features.kernel_cpu() == zen3  # refused: the CPU as it is (and no kernels)
 
 
 def test_parse_cpuinfo_takes_the_first_processor() -> None:

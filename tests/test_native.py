@@ -17,6 +17,7 @@ import torch
 from cbgen.attention import cpu_backend, torch_backend
 from cbgen.cpu import build as cpu_build
 from cbgen.cpu import kernels
+from cbgen.cpu.features import ISA_SETTING, CpuInfo, cpu_info
 from cbgen.cpu.ops import CPU_OPS
 from cbgen.models.llama import RMSNorm
 from cbgen.models.ops import TORCH_OPS
@@ -774,6 +775,71 @@ def test_no_compiler_is_reported(
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert kernels.load_library() is None
     assert cpu_build.native_status() == "native CPU kernels: unavailable (no C compiler)"
+
+
+@pytest.fixture
+def isa_build(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], cpu_build.Build]]:
+    """The process's build made again under CBGEN_CPU_ISA=<isa> (in the usual cache: a lower
+    ISA's library is kept beside the native one, under its own key); the default build is back
+    after the test."""
+
+    def build_for(isa: str) -> cpu_build.Build:
+        monkeypatch.setenv(ISA_SETTING, isa)
+        cpu_build._build.cache_clear()
+        kernels.load_library.cache_clear()
+        return cpu_build.native_build()
+
+    yield build_for
+    cpu_build._build.cache_clear()
+    kernels.load_library.cache_clear()
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_the_isa_setting_builds_the_kernels_for_a_lower_isa_under_its_own_key(
+    isa_build: Callable[[str], cpu_build.Build], isa: str
+) -> None:
+    """CBGEN_CPU_ISA=avx512 on a CPU with AVX-512 BF16 builds what an Ice Lake server builds,
+    =avx2 what a Zen 3 builds: the macros, the code paths (the int16 head is the AVX2 build's
+    default only) and the status line say so, the cache key differs, and the bf16 head (decided
+    by the CPU's flags) is off under both."""
+    from cbgen.cpu.linear import bf16_matmul_fast
+
+    info = cpu_info()
+    if not info.has_isa(isa):
+        pytest.skip(f"this CPU lacks {'AVX-512' if isa == 'avx512' else 'AVX2 and FMA'}")
+    native = cpu_build.native_build()
+    lowered = isa_build(isa)
+    assert lowered.library is not None, lowered.status()
+    assert lowered.path is not None and lowered.path != native.path
+    assert lowered.reason.startswith("built for ") and lowered.reason.endswith(
+        f", {ISA_SETTING}={isa}"
+    )
+    cc = cpu_build.find_compiler()
+    assert cc is not None
+    macros = cpu_build.probe_target(cc, (*cpu_build._FLAGS, *cpu_build.isa_flags(isa, info))).macros
+    assert ("__AVX512F__" in macros) is (isa == "avx512") and "__AVX2__" in macros
+    assert "__AVX512BF16__" not in macros and "__AMX_BF16__" not in macros
+    assert ("avx512f" in lowered.reason) is (isa == "avx512") and "bf16" not in lowered.reason
+    assert kernels.load_library() is lowered.library
+    assert lowered.library.cbgen_head_i16_preferred() == (isa == "avx2")
+    assert not bf16_matmul_fast()
+
+
+def test_an_isa_this_cpu_lacks_is_refused(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asked for AVX-512 on an AVX2 CPU (or for a name it does not know), the loader builds
+    nothing and says why: the engine runs on the torch paths."""
+    monkeypatch.setattr(
+        cpu_build, "cpu_info", lambda: CpuInfo("zen 3", "x86_64", frozenset({"avx2", "fma"}))
+    )
+    monkeypatch.setenv(ISA_SETTING, "avx512")
+    assert kernels.load_library() is None
+    assert cpu_build.native_status() == (
+        "native CPU kernels: unavailable (CBGEN_CPU_ISA=avx512 asks for AVX-512 (avx512f), "
+        "which this CPU does not have)"
+    )
+    assert not fresh_build.exists()  # nothing compiled, no log
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -13,6 +13,10 @@ to an AVX2 node (SIGILL), so the cache key is what the code was built for:
     <cache>/cbgen_cpu_<key>.so      the library
     <cache>/build-<key>.log         the compiler's command and stderr, when the build failed
 
+CBGEN_CPU_ISA=avx512 or avx2 builds for a lower ISA than this CPU's (-mno-avx512bf16 or
+-mno-avx512f after -march=native, so the tuning for the CPU stays): its flags are in the key,
+and it is refused, with no library and the reason in the status line, where the CPU lacks it.
+
 The Python side of each kernel, with its argument checks, is cbgen.cpu.kernels.
 """
 
@@ -28,9 +32,11 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
+
+from cbgen.cpu.features import ISA_SETTING, CpuInfo, cpu_info, isa_refusal, isa_setting
 
 logger = logging.getLogger("cbgen")
 
@@ -56,6 +62,16 @@ _SRCS = {
 }
 _HEADERS = [_CSRC / "vexp.h", _CSRC / "cdf.h", _CSRC / "head_select.h", _CSRC / "gated.h"]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
+
+_ISA_FLAGS = {
+    "native": (),
+    # AVX-512 without its bf16 dot products: what Skylake-X to Ice Lake servers build
+    "avx512": ("-mno-avx512bf16",),
+    # every AVX-512 extension depends on avx512f: all of them go with it
+    "avx2": ("-mno-avx512f",),
+}
+"""The flags, after _FLAGS, of a build for each of features.ISAS."""
+
 
 # (predefined macro, name shown) of the ISA extensions the kernels' speed depends on
 _ISA_MACROS = (
@@ -178,6 +194,14 @@ def build_payload(flags: Sequence[str]) -> bytes:
     return payload + b"".join(h.read_bytes() for h in _HEADERS) + " ".join(flags).encode()
 
 
+def isa_flags(isa: str, info: CpuInfo) -> tuple[str, ...]:
+    """The flags that take a -march=native build on the CPU `info` down to `isa` (one of
+    features.ISAS): AMX's bf16 dot products off too where the CPU has them (a compiler that
+    enables them under -march=native knows the flag)."""
+    amx = ("-mno-amx-bf16",) if isa != "native" and "amx_bf16" in info.flags else ()
+    return (*_ISA_FLAGS[isa], *amx)
+
+
 def find_compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
@@ -231,8 +255,15 @@ def _failed(log: Path, error: Exception) -> Build:
 
 @cache
 def _build(extra_flags: tuple[str, ...]) -> Build:
-    """The build for this process, logged once."""
-    build = build_library(cache_dir(), extra_flags)
+    """The build for this process (for the ISA CBGEN_CPU_ISA names), logged once."""
+    isa, info = isa_setting(), cpu_info()
+    refused = isa_refusal(isa, info)
+    if refused is not None:
+        build = Build(None, refused)
+    else:
+        build = build_library(cache_dir(), (*isa_flags(isa, info), *extra_flags))
+        if isa != "native":
+            build = replace(build, reason=f"{build.reason}, {ISA_SETTING}={isa}")
     if build.library is not None:
         logger.info("%s", build.status())
     else:
@@ -253,8 +284,9 @@ def native_build() -> Build:
 
 
 def native_status() -> str:
-    """'native CPU kernels: built for x86-64 znver4 avx512f avx512bf16 avx2 fma (gcc 12.2)', or
-    'native CPU kernels: unavailable (...)' with the reason (a build log's path)."""
+    """'native CPU kernels: built for x86-64 znver4 avx512f avx512bf16 avx2 fma (gcc 12.2)'
+    (then ', CBGEN_CPU_ISA=avx2' where that is set), or 'native CPU kernels:
+    unavailable (...)' with the reason (a build log's path, the ISA refused)."""
     return _build(()).status()
 
 

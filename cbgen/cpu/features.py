@@ -9,10 +9,16 @@ bf16 matmul is about 3x slower than the float32 one.
 Linux exposes the flags in /proc/cpuinfo ("flags" on x86, "Features" on arm64) and the caches
 under /sys/devices/system/cpu/cpu0/cache; elsewhere the flags are empty and every check is
 False, which keeps the plain float32 paths. No torch import here.
+
+CBGEN_CPU_ISA=avx512 or avx2 runs this machine as a CPU of a lower ISA would run: the kernels are
+built for it (cbgen.cpu.build) and the paths decided by flags (the bf16 head) see only the flags
+that ISA has (kernel_cpu()). The tests use it to run every path a machine can execute; a user
+can use it to step around a path that misbehaves. It is refused where the CPU lacks the ISA.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 from functools import cache
@@ -20,6 +26,19 @@ from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
 CACHE_ROOT = Path("/sys/devices/system/cpu/cpu0/cache")
+
+ISA_SETTING = "CBGEN_CPU_ISA"
+ISAS = ("native", "avx512", "avx2")
+"""What CBGEN_CPU_ISA may name: this CPU's own ISA (the default), AVX-512 without bf16 dot
+products (Skylake-X to Ice Lake servers), AVX2 with FMA (Haswell to Zen 3)."""
+
+_ABOVE = {
+    "native": (),
+    "avx512": ("avx512_bf16", "amx_"),
+    "avx2": ("avx512", "amx_"),
+}
+"""Per ISA, the prefixes of the flags a CPU of that ISA lacks (the AMX units come after
+AVX-512 BF16 and have bf16 dot products too)."""
 
 SHOWN_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "avx2", "fma", "asimd", "sve", "bf16")
 """The flags describe() names when present: those some fast path is decided by."""
@@ -50,6 +69,19 @@ class CpuInfo:
     @property
     def avx2(self) -> bool:
         return "avx2" in self.flags and "fma" in self.flags
+
+    def has_isa(self, isa: str) -> bool:
+        """This CPU runs what a build for `isa` (one of ISAS) runs."""
+        return (
+            isa == "native"
+            or (isa == "avx512" and self.avx512 and self.avx2)
+            or (isa == "avx2" and self.avx2)
+        )
+
+    def limited_to(self, isa: str) -> CpuInfo:
+        """This CPU as one of ISA `isa` sees it: the flags above that ISA taken away."""
+        kept = frozenset(f for f in self.flags if not f.startswith(_ABOVE[isa]))
+        return CpuInfo(self.model, self.machine, kept, self.caches)
 
     def cache_bytes(self, name: str) -> int | None:
         """Size of cache `name` ("L1d", "L2", "L3"), None when the OS does not say."""
@@ -112,6 +144,29 @@ def read_cpu_info(
 def cpu_info() -> CpuInfo:
     """This CPU, read once per process."""
     return read_cpu_info()
+
+
+def isa_setting() -> str:
+    """What CBGEN_CPU_ISA asks for, in lower case: "native" when it is unset or empty."""
+    return os.environ.get(ISA_SETTING, "").strip().lower() or "native"
+
+
+def isa_refusal(isa: str, info: CpuInfo) -> str | None:
+    """Why the kernels cannot be built for `isa` on the CPU `info`, None when they can."""
+    if isa not in ISAS:
+        return f"{ISA_SETTING}={isa} is not one of {', '.join(ISAS)}"
+    if not info.has_isa(isa):
+        lacks = "AVX-512 (avx512f)" if isa == "avx512" else "AVX2 and FMA"
+        return f"{ISA_SETTING}={isa} asks for {lacks}, which this CPU does not have"
+    return None
+
+
+def kernel_cpu() -> CpuInfo:
+    """This CPU as the kernels and the paths decided by flags take it: cpu_info() limited to
+    the ISA CBGEN_CPU_ISA names (all of it unless set; as it is where the setting is refused,
+    as the kernels then are not built at all)."""
+    info, isa = cpu_info(), isa_setting()
+    return info if isa_refusal(isa, info) is not None else info.limited_to(isa)
 
 
 def _parse_size(text: str) -> int | None:

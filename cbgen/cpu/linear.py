@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cbgen.cpu import kernels
-from cbgen.cpu.features import cpu_info
+from cbgen.cpu.features import kernel_cpu
 
 
 def onednn_packing_available() -> bool:
@@ -49,8 +49,9 @@ def bf16_matmul_supported() -> bool:
 def bf16_matmul_fast() -> bool:
     """oneDNN runs bfloat16 matmuls natively here, at about twice the float32 rate: the CPU has
     bf16 dot products (AVX512_BF16 or AMX-BF16). oneDNN's own check is also true where it
-    emulates them, and there a bf16 head is about 3x slower than the float32 one."""
-    return cpu_info().bf16_dot and bf16_matmul_supported()
+    emulates them, and there a bf16 head is about 3x slower than the float32 one. The flags
+    are those CBGEN_CPU_ISA leaves (features.kernel_cpu)."""
+    return kernel_cpu().bf16_dot and bf16_matmul_supported()
 
 
 class ExactHead:
