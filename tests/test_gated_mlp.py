@@ -1,6 +1,7 @@
 """The MLP's gate-up matmul and its activation in one pass (CpuOps.gated_linear): taken by the
 Python forward's steps whose rows go to small_gemm's row blocks (the one-call decoder's steps
-keep their own order of kernels), with the tokens of the two-step path."""
+keep their own order of kernels), with the tokens of the two-step path, on the default build and
+on the AVX2 one."""
 
 from __future__ import annotations
 
@@ -12,13 +13,20 @@ import pytest
 from conftest import tiny_engine
 
 from cbgen.config import SamplingParams
-from cbgen.cpu import kernels
+from cbgen.cpu import kernels, tuning
 from cbgen.cpu.ops import CpuOps
 from cbgen.llm import LLM
 
 pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
 
 PROMPTS = [list(range(30, 150)), [7, 9] * 60, list(range(200, 300))]
+
+STEP_ROWS = 128
+"""max_num_batched_tokens of the engines: prompt steps of up to 128 rows, decode steps of 3."""
+
+BLOCKS_FROM = 32
+"""Where the test starts small_gemm's row blocks: under the prompt steps, over the decode steps,
+whatever the build's default (96 rows with AVX2, 256 with AVX-512) or a tuning pass would say."""
 
 
 def _tokens(engine: Any) -> list[list[int]]:
@@ -27,8 +35,24 @@ def _tokens(engine: Any) -> list[list[int]]:
     return [o.output_token_ids for o in LLM(engine=engine).generate(PROMPTS, sampling)]
 
 
+@pytest.mark.usefixtures("each_build")
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
 def test_prompt_steps_take_the_one_pass_mlp_with_the_same_tokens(
+    kind: str, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row thresholds forced (small_gemm for every step, its blocks from BLOCKS_FROM rows):
+    the prompt steps take the one-pass MLP, with the tokens of small_gemm then the activation."""
+    tuning.apply()  # once a process, at the first engine: it would undo what is forced here
+    monkeypatch.setattr(kernels, "small_gemm_max_rows", lambda: STEP_ROWS)
+    before = kernels.small_gemm_blocked_rows()
+    kernels.set_small_gemm_blocked_rows(BLOCKS_FROM)
+    try:
+        _compare(kind, tiny_model_dir, monkeypatch)
+    finally:
+        kernels.set_small_gemm_blocked_rows(before)
+
+
+def _compare(
     kind: str, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     served: list[int] = []
@@ -41,9 +65,10 @@ def test_prompt_steps_take_the_one_pass_mlp_with_the_same_tokens(
         return got
 
     monkeypatch.setattr(kernels, "small_gemm_gated", counted)
-    engine = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=128)
+    engine = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=STEP_ROWS)
     got = _tokens(engine)
-    assert served and min(served) >= kernels.small_gemm_blocked_rows()
+    assert kernels.small_gemm_blocked_rows() == BLOCKS_FROM  # the engine kept what was forced
+    assert served and min(served) >= BLOCKS_FROM and max(served) <= STEP_ROWS
     monkeypatch.setattr(CpuOps, "gated_linear", lambda self, x, gate_up, activation: None)
-    plain = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=128)
+    plain = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=STEP_ROWS)
     assert _tokens(plain) == got
