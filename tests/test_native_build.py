@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import platform
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,16 +13,25 @@ import pytest
 import torch
 
 from cbgen.cpu import build, kernels
+from cbgen.cpu.features import cpu_info, isa_refusal
 
-AVX2_FLAGS = ("-mno-avx512f",)
-AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+PORTABLE_FLAGS = tuple(f for f in build._FLAGS if f != "-march=native")
+"""The build's flags without -march=native, whose macros are whatever the host has."""
+
+VARIANTS = {
+    # id: (the target, named in full, and exactly the ISA macros of build._ISA_MACROS it defines)
+    "avx512-bf16": (
+        ("-march=skylake-avx512", "-mavx512bf16"),
+        {"__AVX512F__", "__AVX512BF16__", "__AVX2__", "__FMA__"},
+    ),
+    "avx512": (("-march=skylake-avx512",), {"__AVX512F__", "__AVX2__", "__FMA__"}),
+    "avx2": (("-march=haswell",), {"__AVX2__", "__FMA__"}),
+}
 
 
-@pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
-)
+@pytest.mark.skipif(build.find_compiler() is None, reason="no C compiler")
 def test_every_kernel_source_compiles_and_the_library_loads(tmp_path: Path) -> None:
-    cc = shutil.which("cc") or shutil.which("gcc")
+    cc = build.find_compiler()
     assert cc is not None
     for source, flags in build._SRCS.items():
         done = subprocess.run(
@@ -35,28 +43,36 @@ def test_every_kernel_source_compiles_and_the_library_loads(tmp_path: Path) -> N
     assert kernels.load_library() is not None
 
 
+def _isa_macros(cc: str, flags: tuple[str, ...]) -> set[str]:
+    """Which of the ISA macros the kernels' paths and the status line look at cc defines."""
+    macros = build.probe_target(cc, flags).macros
+    return {m for m, _ in build._ISA_MACROS if m in macros}
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
 @pytest.mark.skipif(build.find_compiler() is None, reason="no C compiler")
-@pytest.mark.parametrize(
-    "isa",
-    [AVX512_FLAGS, (*AVX512_FLAGS, "-mavx512bf16"), AVX2_FLAGS],
-    ids=["avx512", "avx512-bf16", "avx2"],
-)
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_kernels_avx512_and_avx2_paths_compile_and_link_on_any_x86_compiler(
-    isa: tuple[str, ...], tmp_path: Path
+    variant: str, tmp_path: Path
 ) -> None:
     """The kernels keep one code path per ISA (the prefill tiles, small_gemm's tiles and row
-    blocks, the decode attention's scores, the bf16 and int16 heads): the AVX-512 ones must keep
-    compiling, and the library linking with nothing left undefined, on a machine whose native
-    build takes the AVX2 ones (and the other way round). Nothing is run."""
+    blocks, the decode attention's scores, the bf16 and int16 heads): each must keep compiling,
+    and the library linking with nothing left undefined, whatever the host's own build takes.
+    Each variant names its target in full (an Ice Lake server's AVX-512 without BF16, a Cooper
+    Lake's with it, a Haswell's AVX2), never -march=native, so the same macros on every host.
+    Nothing is run."""
+    assert "-march=native" in build._FLAGS  # what PORTABLE_FLAGS takes out
+    isa, want = VARIANTS[variant]
     cc = build.find_compiler()
     assert cc is not None
+    assert _isa_macros(cc, (*PORTABLE_FLAGS, *isa)) == want
     objs = []
     for i, (source, source_flags) in enumerate(build._SRCS.items()):
-        flags = [*build._FLAGS, *source_flags, *isa]
         objs.append(str(tmp_path / f"{i}.o"))
         done = subprocess.run(
-            [cc, *flags, "-c", str(source), "-o", objs[-1]], capture_output=True, text=True
+            [cc, *PORTABLE_FLAGS, *source_flags, *isa, "-c", str(source), "-o", objs[-1]],
+            capture_output=True,
+            text=True,
         )
         assert done.returncode == 0, f"{source.name} with {' '.join(isa)}:\n{done.stderr}"
     lib = str(tmp_path / "lib.so")
@@ -66,28 +82,43 @@ def test_every_kernels_avx512_and_avx2_paths_compile_and_link_on_any_x86_compile
         text=True,
     )
     assert done.returncode == 0, done.stderr
-    macros = build.probe_target(cc, (*build._FLAGS, *isa)).macros
-    assert ("__AVX512F__" in macros) == (isa != AVX2_FLAGS)
-    assert ("__AVX512BF16__" in macros) == ("-mavx512bf16" in isa)
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+@pytest.mark.skipif(build.find_compiler() is None, reason="no C compiler")
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_the_isa_settings_flags_take_the_native_build_down_to_that_isa(isa: str) -> None:
+    """What CBGEN_CPU_ISA=<isa> adds after -march=native leaves no macro above that ISA on any
+    host (only the preprocessor runs: this holds on hosts without the ISA too)."""
+    cc = build.find_compiler()
+    assert cc is not None
+    info = cpu_info()
+    got = _isa_macros(cc, (*build._FLAGS, *build.isa_flags(isa, info)))
+    assert not got & {"__AVX512BF16__", "__AMX_BF16__"}
+    assert ("__AVX512F__" in got) is (isa == "avx512" and info.avx512)
+
+
+@pytest.fixture(scope="module", params=["native", "avx512", "avx2"])
 def prefill_build(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> ctypes.CDLL:
-    """The kernels as -march=native builds them, and with AVX-512 switched off (the tiles an
-    AVX2-only CPU gets)."""
+    """The kernels as -march=native builds them, and as CBGEN_CPU_ISA=avx512 (no bf16 dot
+    products) and avx2 build them (the tiles those CPUs get), where this CPU runs them."""
+    if build.find_compiler() is None:
+        pytest.skip("no C compiler")
     if request.param == "native":
         lib = kernels.load_library()
-    else:
-        if platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip("-mno-avx512f is an x86 flag")
-        made = build.build_library(tmp_path_factory.mktemp("kernels-avx2"), AVX2_FLAGS)
-        assert made.library is not None, made.status()
-        lib = made.library
-    if lib is None:
-        pytest.skip("no C compiler")
-    return lib
+        if lib is None:
+            pytest.skip(build.native_status())
+        return lib
+    info = cpu_info()
+    refused = isa_refusal(request.param, info)
+    if refused is not None:
+        pytest.skip(refused)
+    flags = build.isa_flags(request.param, info)
+    made = build.build_library(tmp_path_factory.mktemp(f"kernels-{request.param}"), flags)
+    assert made.library is not None, made.status()
+    return made.library
 
 
 def _reference(
