@@ -4,6 +4,7 @@ process), so that a change to the engine's API cannot leave them broken unnotice
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -64,27 +65,37 @@ def test_profile_step_profiles_the_steps_of_a_tiny_run(capsys: pytest.CaptureFix
     assert "full decode step median" in out and "(2 steps)" in out
 
 
-def _exact_head_here() -> bool:
-    from cbgen.cpu import kernels
-    from cbgen.cpu.linear import bf16_matmul_fast
+def force_exact_head(head: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader made to give models the exact LM head `head` ("Bf16Head" or "Int16Head"),
+    whichever this CPU's flags, build and tuning would choose; skipped where it cannot run."""
+    from cbgen.cpu import tuning
+    from cbgen.cpu.linear import bf16_matmul_supported
+    from cbgen.models import loader
 
-    return kernels.load_library() is not None and (
-        kernels.head_i16_available() or bf16_matmul_fast()
-    )
+    if kernels.load_library() is None:
+        pytest.skip("no C compiler")
+    if head == "Bf16Head" and not bf16_matmul_supported():
+        pytest.skip("no oneDNN bf16 matmul on this CPU (AVX-512 needed)")
+    if head == "Int16Head" and not kernels.head_i16_available():
+        pytest.skip("no int16 head in this build (x86-64 with AVX2)")
+    monkeypatch.setattr(loader, "bf16_matmul_fast", lambda: head == "Bf16Head")
+    tuned = tuning.apply()
+    assert tuned is not None
+    forced = dataclasses.replace(tuned, int16_head=head == "Int16Head")
+    monkeypatch.setattr(tuning, "applied", lambda: forced)
 
 
-needs_exact_head = pytest.mark.skipif(not _exact_head_here(), reason="no exact LM head on this CPU")
-
-
-@needs_exact_head
+@pytest.mark.parametrize("head", ["Bf16Head", "Int16Head"])
 def test_head_bench_times_both_heads_and_checks_their_tokens(
-    capsys: pytest.CaptureFixture[str],
+    head: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    force_exact_head(head, monkeypatch)
     head_bench.main(
         ["--model", "tiny-llama", "--load-format", "dummy", "--batch", "1,5", "--reps", "2",
          "--max-tokens", "3", "--kv-cache-memory", str(1 << 20)]
     )  # fmt: skip
     out = capsys.readouterr().out
+    assert out.startswith(f"{head}: ")
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "5"]
     assert all(r.rstrip().endswith("|") and "x |" in r for r in rows)
@@ -93,7 +104,8 @@ def test_head_bench_times_both_heads_and_checks_their_tokens(
 @pytest.mark.parametrize(
     ("flag", "with_it", "without"),
     [
-        pytest.param("--alternate-head", "Head", "float32 head", marks=needs_exact_head),
+        pytest.param("--alternate-head", "Bf16Head", "float32 head", id="head-bf16"),
+        pytest.param("--alternate-head", "Int16Head", "float32 head", id="head-int16"),
         pytest.param(
             "--alternate-decoder",
             "one C call",
@@ -115,10 +127,16 @@ def test_head_bench_times_both_heads_and_checks_their_tokens(
     ],
 )
 def test_profile_step_alternates_two_paths(
-    flag: str, with_it: str, without: str, capsys: pytest.CaptureFixture[str]
+    flag: str,
+    with_it: str,
+    without: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The exact LM head against the float32 one; the forward pass in one C call against the
-    Python one; small_gemm up to the tuned row count against oneDNN past one row."""
+    """The exact LM heads (each forced) against the float32 one; the forward pass in one C call
+    against the Python one; small_gemm up to the tuned row count against oneDNN past one row."""
+    if flag == "--alternate-head":
+        force_exact_head(with_it, monkeypatch)
     profile_step.main(
         [
             "--model", "tiny-llama", "--load-format", "dummy", "--num-threads", "1",
