@@ -517,9 +517,13 @@ def memory(ctx: CheckContext) -> bool:
     ctx.figures.update(
         budget_gib=budget / GiB,
         peak_gib=peak / GiB,
+        peak_reserved_gib=torch.cuda.max_memory_reserved(ctx.device) / GiB,
+        peak_allocated_gib=torch.cuda.max_memory_allocated(ctx.device) / GiB,
         outside_torch_gib=outside / GiB,
         kv_cache_gib=engine.num_blocks * engine.kv_bytes_per_block / GiB,
         weights_gib=sum(p.numel() * p.element_size() for p in engine.model.parameters()) / GiB,
+        engine_plan_gib={k: v / GiB for k, v in engine.memory_plan.items()},
+        within_budget=peak <= budget,
     )
     return peak <= budget
 

@@ -26,7 +26,7 @@ from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.logprobs import TokenLogprob, with_text
 from cbgen.engine.memory import plan_cpu_weights
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
-from cbgen.engine.profile import profile_peak_memory
+from cbgen.engine.profile import cuda_memory_in_use, profile_peak_memory
 from cbgen.engine.request import Request, RequestStatus
 from cbgen.engine.runner import ModelRunner, NewRequestInfo, RunnerOutput
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
@@ -145,6 +145,9 @@ class Engine:
         self._bad_words_ids: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
         self._grammars: Grammars | None = None  # built when a request first has a constraint
         self.load_time_s = time.perf_counter() - t0
+        self.memory_plan: dict[str, int] = {}
+        """On CUDA without kv_cache_memory: the profile's peak, the graphs' reserve, the budget
+        and, after start-up, what torch and everything else hold (bytes)."""
         self.num_blocks = self._num_kv_blocks()
         # Blocks out of every layer's window go back while a request runs (continuous
         # scheduling), which needs a window in every layer.
@@ -198,6 +201,8 @@ class Engine:
                     len(graphs),
                     graphs.capture_time_s,
                 )
+        if self.device.type == "cuda" and config.kv_cache_memory is None:
+            self._check_cuda_memory()
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None and mc.eos_token_ids:
             eos = mc.eos_token_ids[0]
@@ -249,7 +254,7 @@ class Engine:
     def _profile_cuda_kv_budget(self) -> int:
         """Run one forward pass at the full token budget, then give the KV cache what is left
         of gpu_memory_utilization x total memory."""
-        peak = profile_peak_memory(
+        peak = profiled = profile_peak_memory(
             self.model, self.backend, self.config, self.max_model_len, self.dtype, self.device
         )
         if graphs_unavailable(self.device, self.backend.name, self.config.enforce_eager) is None:
@@ -262,6 +267,8 @@ class Engine:
                 self.model_config.hidden_size * elem,
             )
         total = torch.cuda.get_device_properties(self.device).total_memory
+        self.memory_plan["profiled_peak"] = profiled
+        self.memory_plan["graph_reserve"] = peak - profiled
         budget = int(total * self.config.gpu_memory_utilization) - peak
         if budget <= 0:
             raise ValueError(
@@ -269,6 +276,24 @@ class Engine:
                 f"cache (model and activations take {peak / GiB:.2f} GiB of {total / GiB:.2f} GiB)"
             )
         return budget
+
+    def _check_cuda_memory(self) -> None:
+        """After the KV cache and the graphs: what the device holds against the budget the
+        profile planned for (memory_plan); a warning when it is over."""
+        reserved, outside = cuda_memory_in_use(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = self.config.gpu_memory_utilization * total
+        self.memory_plan.update(budget=int(budget), reserved=reserved, outside_torch=outside)
+        if reserved + outside > budget:
+            logger.warning(
+                "GPU memory: %.2f GiB held (%.2f in torch, %.2f outside) after start-up, over the "
+                "%.2f GiB that gpu_memory_utilization %.2f allows",
+                (reserved + outside) / GiB,
+                reserved / GiB,
+                outside / GiB,
+                budget / GiB,
+                self.config.gpu_memory_utilization,
+            )
 
     def describe(self) -> str:
         tokens = self.num_blocks * self.config.block_size

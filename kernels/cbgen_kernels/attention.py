@@ -292,6 +292,9 @@ class LaunchConfig:
     block_n: int
     """Keys per inner iteration."""
     num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int | None = None
+    """Software pipelining depth of the key loop (None: Triton's default for the GPU)."""
 
 
 def choose_config(
@@ -404,6 +407,8 @@ def _launch(
         # exact in float32 either way.
         UPCAST=INTERPRETED and query.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
 
 
