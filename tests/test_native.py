@@ -724,9 +724,10 @@ def test_a_library_cached_for_another_target_is_never_loaded(tmp_path: Path) -> 
 
 @pytest.fixture
 def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """load_library and native_status start over with their cache in tmp_path/cache; the
-    real build is back after the test."""
+    """load_library and native_status start over with their cache in tmp_path/cache, for this
+    CPU's own ISA whatever CBGEN_CPU_ISA says; the real build is back after the test."""
     monkeypatch.setattr(cpu_build, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.delenv(ISA_SETTING, raising=False)
     cpu_build._build.cache_clear()
     kernels.load_library.cache_clear()
     yield tmp_path / "cache"
@@ -807,7 +808,7 @@ def test_the_isa_setting_builds_the_kernels_for_a_lower_isa_under_its_own_key(
     info = cpu_info()
     if not info.has_isa(isa):
         pytest.skip(f"this CPU lacks {'AVX-512' if isa == 'avx512' else 'AVX2 and FMA'}")
-    native = cpu_build.native_build()
+    native = isa_build("native")
     lowered = isa_build(isa)
     assert lowered.library is not None, lowered.status()
     assert lowered.path is not None and lowered.path != native.path
