@@ -279,11 +279,17 @@ class Engine:
 
     def _check_cuda_memory(self) -> None:
         """After the KV cache and the graphs: what the device holds against the budget the
-        profile planned for (memory_plan); a warning when it is over."""
+        profile planned for (memory_plan), a warning when it is over; then torch's allocator is
+        capped at the budget less what is held outside it. Steps of changing sizes leave the
+        allocator's cache holding partly used segments (0.4 GiB past the allocated peak in a
+        256-request run on an H200): at the cap it frees cached blocks instead of growing."""
         reserved, outside = cuda_memory_in_use(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = self.config.gpu_memory_utilization * total
         self.memory_plan.update(budget=int(budget), reserved=reserved, outside_torch=outside)
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, max(reserved, budget - outside) / total), self.device
+        )
         if reserved + outside > budget:
             logger.warning(
                 "GPU memory: %.2f GiB held (%.2f in torch, %.2f outside) after start-up, over the "

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
-from cbgen.config import EngineConfig
+from cbgen.config import EngineConfig, SamplingParams
+from cbgen.engine.sampler import Sampler, SamplingRow
 from cbgen.models.llama import CausalLM
 
 logger = logging.getLogger("cbgen")
@@ -126,7 +127,28 @@ def run_profile_forward(
     logits = model.compute_logits(hidden[batch.logits_indices])
     del hidden, kv_caches
     probs = torch.softmax(logits.float(), dim=-1)
+    # the sampler's own buffers at their largest: every row penalised, top-k, top-p and min-p
+    # masked and drawn at random (sorts and float32 copies of [S, vocab]), as the runner draws
+    Sampler(device.type == "cuda")(logits, _heaviest_rows(len(lens), mc.vocab_size))
     return probs, kv_bytes
+
+
+def _heaviest_rows(num_rows: int, vocab: int) -> list[SamplingRow]:
+    params = SamplingParams(
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.1,
+        frequency_penalty=0.1,
+        seed=0,
+    )
+    seen = list(range(min(vocab, 64)))
+    return [
+        SamplingRow(params, seen, 1, torch.Generator().manual_seed(i), (), seed=i)
+        for i in range(num_rows)
+    ]
 
 
 def cuda_memory_in_use(device: torch.device) -> tuple[int, int]:

@@ -235,6 +235,7 @@ def compile_all(
     from triton.compiler import ASTSource
 
     from cbgen_kernels import interpreted
+    from cbgen_kernels.attention import choose_config
 
     if interpreted():
         raise RuntimeError(
@@ -246,6 +247,11 @@ def compile_all(
         for name, fn, ptrs, consts in variants(dtype):
             src = ASTSource(fn=fn, signature=_signature(fn, ptrs, consts), constexprs=consts)
             options: dict[str, Any] = {"num_warps": 4}
+            if name.startswith("paged_attention["):  # as launched: the config's warps, depth
+                cfg = choose_config(32, 8, 128, 1 if "decode" in name else 512)
+                options["num_warps"] = cfg.num_warps
+                if cfg.num_stages is not None:
+                    options["num_stages"] = cfg.num_stages
             if name.startswith(ELEMENTWISE):
                 options["enable_fp_fusion"] = False  # as launched: every operation rounded
             compiled = triton.compile(src, target=target, options=options)
