@@ -37,6 +37,7 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.profile import (
     build_profile_batch,
+    cap_allocator,
     profile_peak_memory,
     profile_seq_lens,
     run_profile_forward,
@@ -633,6 +634,28 @@ def test_cuda_profile_sizes_the_kv_cache() -> None:
     outside = max(0, (total - free) - torch.cuda.memory_reserved(0))
     assert kv > budget - weights - outside - (4 << 30)
     assert f"{engine.num_blocks} blocks" in engine.describe()
+
+
+def test_the_allocator_cap_names_the_device_as_torch_requires(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch.cuda.set_per_process_memory_fraction takes an index, not a bare "cuda" (found on
+    an H200: the engine passed its device and every profiled start-up raised). The cap is the
+    budget less the memory outside torch, never below what torch holds already."""
+    from torch.cuda._utils import _get_device_index
+
+    calls: list[tuple[float, int]] = []
+
+    def set_fraction(fraction: float, device: Any) -> None:
+        calls.append((fraction, _get_device_index(device)))  # raises as torch's own does
+
+    props = type("Props", (), {"total_memory": 100 << 30})()
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert cap_allocator(torch.device("cuda"), 50 << 30, 40 << 30, 1 << 30) == 0.49
+    assert cap_allocator(torch.device("cuda:1"), 50 << 30, 45 << 30, 10 << 30) == 0.45
+    assert calls == [(0.49, 0), (0.45, 1)]
 
 
 def test_profile_batch_covers_the_whole_token_budget() -> None:

@@ -3,6 +3,7 @@
     compare_peers   one workload through cbgen, transformers and vLLM's CPU build, one table
     profile_step    where an engine step's time goes (torch profiler or cProfile)
     gpu_check       the offline GPU check (sections in gpu_sections, models in gpu_fixtures)
+    attention_sweep on a GPU: decode attention tiles and an 8B layer's matmuls, timed
     grammar_engines structured outputs: xgrammar, llguidance and outlines-core compared
     structured_bench the same ShareGPT rows with a JSON schema and without
 

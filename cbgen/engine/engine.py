@@ -26,7 +26,7 @@ from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.logprobs import TokenLogprob, with_text
 from cbgen.engine.memory import plan_cpu_weights
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
-from cbgen.engine.profile import cuda_memory_in_use, profile_peak_memory
+from cbgen.engine.profile import cap_allocator, cuda_memory_in_use, profile_peak_memory
 from cbgen.engine.request import Request, RequestStatus
 from cbgen.engine.runner import ModelRunner, NewRequestInfo, RunnerOutput
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
@@ -287,9 +287,7 @@ class Engine:
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = self.config.gpu_memory_utilization * total
         self.memory_plan.update(budget=int(budget), reserved=reserved, outside_torch=outside)
-        torch.cuda.set_per_process_memory_fraction(
-            min(1.0, max(reserved, budget - outside) / total), self.device
-        )
+        cap_allocator(self.device, budget, reserved, outside)
         if reserved + outside > budget:
             logger.warning(
                 "GPU memory: %.2f GiB held (%.2f in torch, %.2f outside) after start-up, over the "

@@ -159,6 +159,17 @@ def cuda_memory_in_use(device: torch.device) -> tuple[int, int]:
     return reserved, max(0, (total - free) - reserved)
 
 
+def cap_allocator(device: torch.device, budget: float, reserved: int, outside: int) -> float:
+    """Cap torch's allocator on device at budget less what is held outside it (never below
+    what it holds already): at the cap it frees cached blocks instead of growing. Returns the
+    fraction of the device's memory set."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, max(reserved, budget - outside) / total)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
+
+
 def profile_peak_memory(
     model: CausalLM,
     backend: AttentionBackend,
