@@ -15,7 +15,13 @@ import torch
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.cpu import kernels
 from cbgen.engine.engine import Engine
-from cbgen.engine.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
+from cbgen.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    apply_penalties_rows,
+    filter_logits,
+)
 from cbgen.llm import LLM
 
 
@@ -115,6 +121,39 @@ def test_penalties_match_a_direct_computation(rep: float, pres: float, freq: flo
     assert got.tolist() == pytest.approx(
         direct_penalties(logits, prompt, output, rep, pres, freq), abs=1e-6
     )
+
+
+def test_penalties_of_a_batch_equal_those_row_by_row() -> None:
+    """apply_penalties_rows (one copy, batched tensor operations: the sampler's path) gives
+    each penalised row the very bits apply_penalties gives it alone, and leaves the other rows
+    as they were; rows of different lengths pad without touching the vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 50, generator=g) * 4
+    logits[1, 7] = float("-inf")
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=0.8),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=-0.4),
+        SamplingParams(repetition_penalty=1.1, presence_penalty=-0.3),
+    ]
+    ids = [[1, 2, 2, 9], [7, 7, 3, 49, 0, 0, 0], [4], [5, 6], [8, 8, 8, 8, 8, 1]]
+    rows = [row(p, t, 2) for p, t in zip(params, ids, strict=True)]
+    want = logits.clone()
+    for i in (0, 1, 3, 4):
+        r = rows[i]
+        p = r.params
+        apply_penalties(
+            want[i],
+            r.prompt_token_ids,
+            r.output_token_ids,
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty,
+        )
+    got = logits.clone()
+    apply_penalties_rows(got, [(i, rows[i]) for i in (0, 1, 3, 4)])
+    assert torch.equal(got, want) and torch.equal(got[2], logits[2])
 
 
 def test_greedy_sampling_applies_penalties_first() -> None:

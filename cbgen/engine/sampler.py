@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -151,6 +152,63 @@ def apply_penalties(
         ).to(logits.dtype)
         logits -= frequency_penalty * counts + presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def to_device(data: Sequence[Any], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host list as a tensor on device without waiting for the device: a pinned host copy
+    sent with a non-blocking copy (torch.tensor(data, device=cuda) waits for every queued
+    kernel first)."""
+    host = torch.tensor(data, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def apply_penalties_rows(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingRow]]) -> None:
+    """apply_penalties on rows (index into logits [B, V], row) of one step at once: the token
+    ids of every row, padded, reach the device in one non-blocking copy, and the penalties are
+    applied as batched tensor operations (the same values as row by row)."""
+    vocab, device = logits.shape[-1], logits.device
+    idx = [i for i, _ in rows]
+    seen_ids = [list(r.prompt_token_ids) + list(r.output_token_ids) for _, r in rows]
+    out_ids = [list(r.output_token_ids) for _, r in rows]
+    width_seen = max(1, max(map(len, seen_ids)))
+    width_out = max(1, max(map(len, out_ids)))
+    # one int64 block: row indices, then seen ids and output ids padded with vocab (a column
+    # dropped after the scatter)
+    flat = idx[:]
+    for ids in seen_ids:
+        flat += ids + [vocab] * (width_seen - len(ids))
+    for ids in out_ids:
+        flat += ids + [vocab] * (width_out - len(ids))
+    block = to_device(flat, device, torch.long)
+    n = len(rows)
+    rows_t = block[:n]
+    seen_t = block[n : n + n * width_seen].view(n, width_seen)
+    out_t = block[n + n * width_seen :].view(n, width_out)
+    scalars = to_device(
+        [
+            v
+            for _, r in rows
+            for v in (
+                r.params.repetition_penalty,
+                r.params.presence_penalty,
+                r.params.frequency_penalty,
+            )
+        ],
+        device,
+        logits.dtype,
+    ).view(n, 3)
+    rep, presence, frequency = scalars[:, :1], scalars[:, 1:2], scalars[:, 2:]
+    sub = logits[rows_t]
+    seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=device)
+    seen.scatter_(1, seen_t, True)
+    sub = torch.where(seen[:, :vocab], torch.where(sub > 0, sub / rep, sub * rep), sub)
+    counts = torch.zeros(n, vocab + 1, dtype=logits.dtype, device=device)
+    counts.scatter_add_(1, out_t, torch.ones_like(out_t, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    sub -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    logits[rows_t] = sub
 
 
 def filter_logits(
@@ -306,23 +364,25 @@ class Sampler:
             states = [g for i in constrained if (g := rows[i].grammar) is not None]
             apply_grammar_masks(logits, constrained, states)
         for i, row in enumerate(rows):
-            p = row.params
-            if p.has_logit_controls:
-                apply_logit_controls(logits[i], p, row.output_token_ids, row.bad_words_token_ids)
-            if p.has_penalties:
-                apply_penalties(
-                    logits[i],
-                    row.prompt_token_ids,
-                    row.output_token_ids,
-                    p.repetition_penalty,
-                    p.presence_penalty,
-                    p.frequency_penalty,
+            if row.params.has_logit_controls:
+                apply_logit_controls(
+                    logits[i], row.params, row.output_token_ids, row.bad_words_token_ids
                 )
-            if row.num_output_tokens < p.min_tokens:
-                # a stop id outside the vocabulary can never be sampled: nothing to hold back
-                held = [t for t in row.stop_ids_for_min_tokens if t < vocab]
-                if held:
-                    logits[i, held] = float("-inf")
+        penalised = [(i, row) for i, row in enumerate(rows) if row.params.has_penalties]
+        if penalised:
+            apply_penalties_rows(logits, penalised)
+        # min_tokens: stop ids held back, all rows' in one copy (a stop id outside the
+        # vocabulary can never be sampled: nothing to hold back)
+        held = [
+            (i, t)
+            for i, row in enumerate(rows)
+            if row.num_output_tokens < row.params.min_tokens
+            for t in row.stop_ids_for_min_tokens
+            if t < vocab
+        ]
+        if held:
+            where = to_device([x for pair in held for x in pair], logits.device, torch.long)
+            logits[where[0::2], where[1::2]] = float("-inf")
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         every_row = len(random_rows) == len(rows)
         out = (
@@ -331,7 +391,7 @@ class Sampler:
             else logits.argmax(dim=-1)
         )
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
+            idx = to_device(random_rows, logits.device, torch.long)
             sub = logits if every_row else logits[idx]  # logits are ours: the step's own
             ps = [rows[i].params for i in random_rows]
             dev = logits.device
