@@ -300,3 +300,73 @@ def test_a_step_reads_the_device_once(
         stats = engine.step().stats
     assert stats.num_prefill_tokens == 0 and stats.num_decode_tokens == 2
     assert mixed == decode == ["sampler.py:__call__:tolist"]
+
+
+# ---- the check's driver: budgets, plan, a killed test run ---------------------------------------
+
+
+def test_the_check_plans_five_minutes_and_passes_unused_time_on() -> None:
+    """The sections' budgets sum to 300 s (a minute of the six spare); a section may run until
+    the budgets up to its own are spent, so time a section leaves passes on; --only rescales
+    the chosen sections to --budget-s; --plan lists every section with its Triton variants."""
+    from tools import gpu_check
+
+    args = gpu_check._parse_args([])
+    deadlines = [d for _, _, d in gpu_check.schedule(args)]
+    assert [n for n, _, _ in gpu_check.schedule(args)] == [n for n, _, _ in gpu_check.SECTIONS]
+    assert deadlines == sorted(deadlines) and deadlines[-1] == pytest.approx(300)
+    assert sum(share for _, _, share in gpu_check.SECTIONS) <= 300
+    only = gpu_check._parse_args(["--only", "memory", "kernel_tests", "--budget-s", "120"])
+    assert [(n, round(d)) for n, _, d in gpu_check.schedule(only)] == [
+        ("memory", 30),
+        ("kernel_tests", 120),
+    ]
+    plan = gpu_check.plan_text(args)
+    for name, _, _ in gpu_check.SECTIONS:
+        assert f"\n{name} " in plan
+    # the decode attention of the 8B shape, compiled once for any split count
+    assert "merge_splits[dtype=bf16, HEAD_DIM=128, SPLITS_PAD=16]" in plan
+    assert "rope_write_kv[dtype=bf16, NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64]" in plan
+
+
+def test_a_failed_section_keeps_its_figures_and_says_why_in_one_line() -> None:
+    from tools import gpu_check
+    from tools.gpu_sections import CheckContext
+
+    ctx = CheckContext(torch.device("cpu"), True, ROOT)
+
+    def half_done(ctx: CheckContext) -> bool:
+        ctx.figures["measured"] = 1.5
+        raise RuntimeError("illegal memory access\nsecond line")
+
+    record = gpu_check.run_section(ctx, half_done, 30)
+    assert record["figures"] == {"measured": 1.5} and not record["passed"]
+    assert gpu_check.why(record) == "RuntimeError: illegal memory access"
+
+    def false_check(ctx: CheckContext) -> bool:
+        ctx.figures.update(same=True, inner={"within_budget": False})
+        return False
+
+    assert gpu_check.why(gpu_check.run_section(ctx, false_check, 30)) == (
+        "checks false: inner.within_budget"
+    )
+    assert "skipped" in gpu_check.run_section(ctx, false_check, 1)
+
+
+def test_a_test_run_past_its_time_is_killed_with_its_workers_and_keeps_its_output(
+    tmp_path: Path,
+) -> None:
+    from tools.gpu_sections import _pytest
+
+    tests = tmp_path / "test_slow.py"
+    tests.write_text(
+        "import time\n"
+        "def test_quick():\n    pass\n"
+        "def test_fails():\n    assert 1 == 2\n"
+        "def test_slow():\n    time.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = _pytest([str(tests)], env, timeout=10, log=tmp_path / "log")
+    assert not res["passed"] and res["summary"].startswith("killed after 10 s")
+    assert "1 passed, 1 failed so far" in res["summary"]
+    assert any("test_fails" in line for line in res["failures"])
