@@ -9,7 +9,7 @@ import torch
 from cbgen.attention import cpu_backend, torch_backend
 from cbgen.cpu import kernels
 
-pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
 
 
 def test_rows_read_counts_each_querys_visible_keys() -> None:

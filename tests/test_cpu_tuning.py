@@ -4,6 +4,7 @@ build, and the threshold every CPU linear layer then follows."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,15 @@ import torch
 from cbgen.cpu import build, kernels, tuning
 from cbgen.cpu.linear import linear, onednn_packing_available, pack_weight
 
-needs_kernels = pytest.mark.skipif(
-    build.load_library() is None or not onednn_packing_available(),
-    reason="needs the native kernels and oneDNN packing",
+no_kernels = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
+no_onednn = pytest.mark.skipif(
+    not onednn_packing_available(), reason="no oneDNN packed matmul in this torch build"
 )
+
+
+def needs_kernels(test: Callable[..., None]) -> Callable[..., None]:
+    """Skipped, with the reason that is true here, without the kernels or oneDNN's packing."""
+    return no_onednn(no_kernels(test))
 
 
 def test_blocks_start_where_they_stop_losing_for_good() -> None:
@@ -102,8 +108,9 @@ def test_tune_times_the_int16_head_where_it_is_a_choice(
     assert "int16_head_s" not in json.loads(tuning.tuning_path(tmp_path / "none.so").read_text())
 
 
+@no_kernels
 @pytest.mark.skipif(
-    build.load_library() is None or not kernels.head_i16_available(),
+    build.load_library() is not None and not kernels.head_i16_available(),
     reason="no int16 head in this build (x86-64 with AVX2)",
 )
 def test_measure_head_times_both_heads() -> None:

@@ -149,7 +149,7 @@ def test_smollm2_long_prompts_through_the_prefill_kernel_match_transformers(
     from cbgen.cpu import kernels
 
     if kernels.load_library() is None:
-        pytest.skip("no C compiler: no prefill kernel")
+        pytest.skip(f"no prefill kernel: {kernels.native_status()}")
     calls = {"with context": 0, "without": 0}
     kernel = kernels.prefill_attention_f32
 

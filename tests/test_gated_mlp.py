@@ -17,7 +17,7 @@ from cbgen.cpu import kernels, tuning
 from cbgen.cpu.ops import CpuOps
 from cbgen.llm import LLM
 
-pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
 
 PROMPTS = [list(range(30, 150)), [7, 9] * 60, list(range(200, 300))]
 

@@ -17,7 +17,7 @@ import torch
 from conftest import TINY_CONFIGS, save_random
 
 from cbgen.config import AttentionBackendName, EngineConfig, SamplingParams
-from cbgen.cpu.kernels import fused_ops_available
+from cbgen.cpu.kernels import fused_ops_available, native_status
 from cbgen.cpu.ops import CPU_OPS
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
@@ -70,7 +70,7 @@ def test_greedy_matches_transformers(
 ) -> None:
     folder, expected = case
     if backend == "cpu" and not fused_ops_available():
-        pytest.skip("no C compiler: no C kernels")
+        pytest.skip(native_status())
     config = EngineConfig(
         model=str(folder),
         device="cpu",

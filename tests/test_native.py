@@ -22,7 +22,7 @@ from cbgen.cpu.ops import CPU_OPS
 from cbgen.models.llama import RMSNorm
 from cbgen.models.ops import TORCH_OPS
 
-pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
 
 
 @pytest.mark.usefixtures("each_build")

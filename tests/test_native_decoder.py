@@ -17,7 +17,7 @@ from cbgen.cpu import kernels
 from cbgen.cpu.decoder import NativeDecoder
 from cbgen.llm import LLM
 
-pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
 
 
 class Checked:

@@ -175,7 +175,7 @@ def _backend(name: str, monkeypatch: pytest.MonkeyPatch) -> AttentionBackend:
             return TritonAttentionBackend()
         return _SplitEveryStep(num_sms=64, min_keys_per_split=8, max_splits=3)
     if kernels.load_library() is None:
-        pytest.skip("no C compiler: no kernels")
+        pytest.skip(kernels.native_status())
     # every chunk to the decode kernel, or every chunk to the prefill kernel
     rows = 1 << 30 if name == "cpu-decode-kernel" else 0
     monkeypatch.setattr(kernels, "prefill_split", lambda: (rows, True))

@@ -73,7 +73,7 @@ def force_exact_head(head: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from cbgen.models import loader
 
     if kernels.load_library() is None:
-        pytest.skip("no C compiler")
+        pytest.skip(kernels.native_status())
     if head == "Bf16Head" and not bf16_matmul_supported():
         pytest.skip("no oneDNN bf16 matmul on this CPU (AVX-512 needed)")
     if head == "Int16Head" and not kernels.head_i16_available():
@@ -110,19 +110,25 @@ def test_head_bench_times_both_heads_and_checks_their_tokens(
             "--alternate-decoder",
             "one C call",
             "Python forward",
-            marks=pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler"),
+            marks=pytest.mark.skipif(
+                kernels.load_library() is None, reason=kernels.native_status()
+            ),
         ),
         pytest.param(
             "--alternate-blocked=1",
             r"row blocks from \d+ rows",
             "row blocks from 1 rows",
-            marks=pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler"),
+            marks=pytest.mark.skipif(
+                kernels.load_library() is None, reason=kernels.native_status()
+            ),
         ),
         pytest.param(
             "--alternate-matmul=1",
             r"small_gemm up to \d+ rows",
             "small_gemm up to 1 rows",
-            marks=pytest.mark.skipif(kernels.load_library() is None, reason="no C compiler"),
+            marks=pytest.mark.skipif(
+                kernels.load_library() is None, reason=kernels.native_status()
+            ),
         ),
     ],
 )
