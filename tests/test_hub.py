@@ -53,10 +53,13 @@ def test_a_cached_snapshot_is_found_offline_with_its_commit(tmp_path: Path) -> N
     assert Path(source.path).name == COMMIT
     same = resolve_model("org/tiny", revision=COMMIT, download_dir=str(cache))
     assert same.path == source.path
-    with pytest.raises(
-        ModelNotFoundError, match=r"not in the local Hugging Face cache .*HF_HUB_OFFLINE=1"
-    ):
+    with pytest.raises(ModelNotFoundError) as missing:
         resolve_model("org/other", download_dir=str(cache))
+    # what is wrong and how to allow a download, without huggingface_hub's advice to callers
+    assert f"org/other is not in the local Hugging Face cache {cache} and" in str(missing.value)
+    assert "downloads are off (HF_HUB_OFFLINE=1" in str(missing.value)
+    assert str(missing.value).endswith("set HF_HUB_OFFLINE=0 to let cbgen download it")
+    assert "local_files_only" not in str(missing.value)
     with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
         resolve_model("org/tiny", revision="v2", download_dir=str(cache))
     with pytest.raises(ModelNotFoundError, match="revision: applies to a Hub id"):
@@ -104,6 +107,9 @@ def test_cbgen_run_takes_a_hub_id_from_hf_home(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "p.out.summary.json").read_text())
     assert summary["model_commit"] == COMMIT
     assert pq.read_table(tmp_path / "p.out.parquet").column("error").to_pylist() == [None]
+    # HF_HUB_OFFLINE left unset: the command sets it, so a missing model is an error, not a
+    # download, and the error says how to allow one
+    env.pop("HF_HUB_OFFLINE")
     missing = run(
         [
             "run",
@@ -114,8 +120,7 @@ def test_cbgen_run_takes_a_hub_id_from_hf_home(tmp_path: Path) -> None:
         ],
         env=env,
     )
-    assert (
-        missing.returncode == 1
-        and "org/none is not in the local Hugging Face cache" in missing.stderr
-    )
+    assert missing.returncode == 1, missing.stderr + missing.stdout
+    assert "org/none is not in the local Hugging Face cache" in missing.stderr
+    assert "set HF_HUB_OFFLINE=0 to let cbgen download it" in missing.stderr
     assert os.environ.get("HF_HUB_OFFLINE") == "1"

@@ -6,6 +6,10 @@ file of a repository, at a revision (branch, tag or commit).
     safetensors weights (the shards model.safetensors.index.json names when there is one, so
     a repository's other copies are never fetched) ─ never *.bin or *.pt pickles
 
+The `cbgen` command sets HF_HUB_OFFLINE=1 where the environment does not set it, so it downloads
+only when run with HF_HUB_OFFLINE=0; the Python API follows the environment as it is. A model
+missing from the cache while offline is an error that says so.
+
 The snapshot folder's name is the resolved commit; it goes into the engine's description and
 the run summary.
 """
@@ -34,6 +38,10 @@ class HubError(ValueError):
     """A Hub model that cannot be had: not cached while offline, no such repository or file."""
 
 
+class NotCached(HubError):
+    """No snapshot of the repository at that revision in the cache (a local-only look-up)."""
+
+
 @dataclass(frozen=True)
 class HubModel:
     path: Path
@@ -57,10 +65,13 @@ def resolve_hub(
         return _snapshot(repo, filename, revision, download_dir, local_only=True)
     except HubError as cached_error:
         if constants.HF_HUB_OFFLINE:
+            # huggingface_hub's own hint (pass local_files_only=False) means nothing to a user
+            why = "" if isinstance(cached_error, NotCached) else f" ({cached_error})"
             raise HubError(
                 f"model {repo}{'' if revision is None else '@' + revision} is not in the local "
-                f"Hugging Face cache{'' if download_dir is None else ' ' + download_dir} and "
-                f"downloads are off (HF_HUB_OFFLINE=1): {cached_error}"
+                f"Hugging Face cache{'' if download_dir is None else ' ' + download_dir}{why} and "
+                "downloads are off (HF_HUB_OFFLINE=1, which the cbgen command sets unless the "
+                "environment sets it): set HF_HUB_OFFLINE=0 to let cbgen download it"
             ) from None
     return _snapshot(repo, filename, revision, download_dir, local_only=False)
 
@@ -83,6 +94,8 @@ def _snapshot(
                 )
             )
         except LocalEntryNotFoundError as e:
+            if local_only:
+                raise NotCached(str(e).splitlines()[0]) from None
             raise HubError(str(e).splitlines()[0]) from None
         except (HfHubHTTPError, OSError) as e:
             raise HubError(f"model {repo}: {str(e).splitlines()[0]}") from None
