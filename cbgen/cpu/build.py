@@ -7,8 +7,9 @@ The library is built with -march=native, so it is only valid on CPUs with the IS
 for. A home folder shared by nodes of several CPU generations must never hand an AVX-512 build
 to an AVX2 node (SIGILL), so the cache key is what the code was built for:
 
-    key = sha256(sources, flags, compiler path, `cc --version`, the macros `cc <flags> -E -dM`
-                 predefines: __AVX512F__, __AVX512BF16__, __AVX2__, __FMA__, __znver4__, ...)
+    key = sha256(sources, headers, flags, compiler path, `cc --version`, the macros
+                 `cc <flags> -E -dM` predefines: __AVX512F__, __AVX512BF16__, __AVX2__, __FMA__,
+                 __znver4__, ...)
 
     <cache>/cbgen_cpu_<key>.so      the library
     <cache>/build-<key>.log         the compiler's command and stderr, when the build failed
@@ -60,8 +61,20 @@ _SRCS = {
     # a decode step's layers in one call: it only calls the kernels above
     _CSRC / "decoder.c": ("-ffp-contract=off",),
 }
-_HEADERS = [_CSRC / "vexp.h", _CSRC / "cdf.h", _CSRC / "head_select.h", _CSRC / "gated.h"]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
+# every header in csrc, found rather than listed, so that a header added there is in the cache
+# key without anyone remembering to name it here
+_HEADERS = sorted(_CSRC.glob("*.h"))
+# -Werror=missing-prototypes: a function exported without a declaration in cbgen.h (which every
+# source includes) fails the build, so the header stays the whole list of exports
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffast-math",
+    "-fno-finite-math-only",
+    "-fopenmp",
+    "-fPIC",
+    "-Werror=missing-prototypes",
+]
 
 _ISA_FLAGS = {
     "native": (),

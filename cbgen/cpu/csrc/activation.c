@@ -13,6 +13,7 @@
  */
 #include <stdint.h>
 
+#include "cbgen.h"
 #include "gated.h" /* silu_mul_vn, gelu_tanh_mul_vn */
 
 /* Every core from 32 Ki outputs (SmolLM2's 1536-wide MLP: 22 rows): measured on 2 cores, 32

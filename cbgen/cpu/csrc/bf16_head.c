@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cbgen.h"
 #include "head_select.h"
 
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));

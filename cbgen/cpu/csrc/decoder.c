@@ -27,26 +27,7 @@
  */
 #include <stdint.h>
 
-void cbgen_add_rmsnorm_f32(float *residual, const float *x, const float *w, float eps, int64_t T,
-                           int64_t H, float *out);
-void cbgen_rmsnorm_heads_f32(float *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
-                             const float *w, float eps);
-void cbgen_rope_f32(float *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
-                    const int64_t *positions, const float *cos_t, const float *sin_t);
-int cbgen_write_kv_f32(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
-                       float *k_cache, float *v_cache, int64_t num_slots, const int64_t *slots,
-                       int64_t T, int64_t row);
-int cbgen_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
-                           const float *v_cache, const int32_t *block_table, int64_t bt_stride,
-                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                           int64_t bs, float scale, int64_t window, float softcap, float *out);
-void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
-                          const float *bias, float *y);
-int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t I,
-                               int act, float *y);
-int64_t cbgen_small_gemm_blocked_rows(void);
-void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
-void cbgen_gelu_tanh_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
+#include "cbgen.h" /* the kernels it calls, cbgen_layer_f32, cbgen_decoder_f32 */
 
 /* act [T, I] = SiLU (gelu 0) or GELU (gelu 1) of x @ W_gate times x @ W_up: applied to the
  * matmul's tiles from small_gemm's row blocks on, else the product gu [T, 2I] and then the
@@ -62,26 +43,6 @@ static void gated(const float *x, int64_t T, int64_t H, const float *gate_up, in
     else
         cbgen_silu_mul_f32(gu, T, I, act);
 }
-
-/* One layer's weights (small_gemm's panels) and its cache. */
-typedef struct {
-    const float *input_norm, *post_norm; /* [H] */
-    const float *qkv, *qkv_bias;         /* panels of [Q + 2 KV, H]; bias [Q + 2 KV] or NULL */
-    const float *q_norm, *k_norm;        /* [D] each, or NULL: no q/k norms */
-    const float *o, *gate_up, *down;     /* panels of [H, Q], [2 I, H], [H, I] */
-    float *k_cache, *v_cache;            /* [num_slots, KV] each */
-    const float *cos, *sin;              /* RoPE tables [positions, head_dim / 2] */
-    const float *pre_ff_norm, *post_ff_norm; /* [H] (gemma) */
-    int64_t window;                      /* sliding window, 0: none */
-} cbgen_layer_f32;
-
-typedef struct {
-    int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, num_slots;
-    int64_t gemma;             /* Gemma's layers: norms after each block, GeGLU */
-    float eps, scale, softcap; /* softcap 0: none */
-    const float *final_norm;   /* [H] */
-    const cbgen_layer_f32 *layer;
-} cbgen_decoder_f32;
 
 /* Floats of workspace a call over T tokens needs. */
 int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T) {

@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cbgen.h"
+
 #define PAR_MIN_ELEMS (1 << 18)
 
 /* o[i] = w[i] * (r[i] * rsqrt(ss / n + eps)) for the row r of n floats whose sum of squares

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cbgen.h"
 #include "head_select.h"
 
 #if defined(__AVX2__) && defined(__x86_64__)

@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cbgen.h"
 #include "vexp.h" /* v16, exp_nonpositive */
 
 #define MAX_GROUP 16

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cbgen.h"
 #include "vexp.h" /* v8, v16 and their max and exp */
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include <immintrin.h>

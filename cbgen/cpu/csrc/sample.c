@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cbgen.h"
 #include "cdf.h"
 #include "vexp.h"
 

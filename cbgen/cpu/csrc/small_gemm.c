@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cbgen.h"
 #include "gated.h" /* silu_mul_vn, gelu_tanh_mul_vn */
 
 #if defined(__AVX2__) && !defined(__AVX512F__)

@@ -1,0 +1,116 @@
+/* Every function the kernel library exports, with its exact C types: the one place they are
+ * declared. Every .c file includes this header, so the compiler checks each definition against
+ * its declaration, and a call from one file into another (decoder.c calls the kernels) goes
+ * through it. cbgen/cpu/build.py gives ctypes the same signatures, and cbgen/cpu/c_header.py
+ * checks them against this file before the library is built or loaded: where an argument
+ * count, an argument type or a return type differs, the process gets no library (the torch
+ * path runs) rather than calls through a wrong type. The build's -Werror=missing-prototypes
+ * refuses an exported function this file does not declare.
+ *
+ * c_header.py parses this file with a small parser, not a C compiler, so declarations here keep
+ * to what it reads: `typedef struct { type a, *b; ... } name;` and prototypes
+ * `type name(type arg, ...);` (or `(void)`), whose types are void, float, double, int, size_t,
+ * [u]int{16,32,64}_t or a struct typedef from this file, optionally const, with `*` for a
+ * pointer: no arrays, function pointers or unsigned/long spellings. It refuses anything else.
+ * Comments and preprocessor lines are ignored. The functions' contracts are beside their
+ * definitions, in the .c file named above each group.
+ */
+#ifndef CBGEN_H
+#define CBGEN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* paged_decode.c: decode attention over the paged K/V cache */
+int cbgen_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
+                           const float *v_cache, const int32_t *block_table, int64_t bt_stride,
+                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                           int64_t bs, float scale, int64_t window, float softcap, float *out);
+float cbgen_exp_sub_sum_f32(float *s, int64_t n, float m);
+
+/* prefill_attention.c: causal attention over a prefill chunk's contiguous K/V */
+int cbgen_prefill_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+                                float *out, int64_t o_stride, int64_t Q, int64_t ctx, int64_t H,
+                                int64_t Hkv, int64_t D, float scale, int64_t window,
+                                float softcap);
+int64_t cbgen_native_prefill_rows(void);
+int cbgen_prefill_kernel_preferred(void);
+
+/* fused_ops.c: element-wise ops that round exactly like torch's */
+void cbgen_add_rmsnorm_f32(float *residual, const float *x, const float *w, float eps, int64_t T,
+                           int64_t H, float *out);
+void cbgen_rmsnorm_heads_f32(float *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
+                             const float *w, float eps);
+void cbgen_rope_f32(float *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
+                    const int64_t *positions, const float *cos_t, const float *sin_t);
+int cbgen_write_kv_f32(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
+                       float *k_cache, float *v_cache, int64_t num_slots, const int64_t *slots,
+                       int64_t T, int64_t row);
+
+/* small_gemm.c: matmuls of decode-sized batches over packed weight panels */
+void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp);
+void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
+                          const float *bias, float *y);
+int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t I,
+                               int act, float *y);
+int64_t cbgen_small_gemm_max_rows(void);
+void cbgen_small_gemm_set_blocked_rows(int64_t rows);
+int64_t cbgen_small_gemm_blocked_rows(void);
+
+/* activation.c: the gated MLP's activation over a gate-up product */
+void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
+void cbgen_gelu_tanh_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
+
+/* bf16_head.c: the exact LM head from bf16 logits */
+int64_t cbgen_head_bf16(const uint16_t *logits, int64_t M, int64_t V, const float *hidden,
+                        const uint16_t *hidden16, int64_t K, const float *weight,
+                        const float *wres, const float *wnorm, float g, float margin, float b,
+                        float c, const float *temperature, const uint64_t *seed,
+                        int64_t max_attempts, int64_t *out);
+
+/* int16_head.c: the exact LM head from int16 logits */
+int64_t cbgen_head_i16_available(void);
+int64_t cbgen_head_i16_preferred(void);
+int64_t cbgen_head_i16_levels(int64_t K);
+int cbgen_head_i16_pack(const float *w, int64_t V, int64_t K, int64_t W, int16_t *q, float *scale,
+                        float *wres);
+int64_t cbgen_head_i16(const float *hidden, int64_t M, int64_t K, const int16_t *q,
+                       const float *scale, int64_t V, int64_t W, const float *weight,
+                       const float *wres, const float *wnorm, float g, float margin, float b,
+                       float c, const float *temperature, const uint64_t *seed,
+                       int64_t max_attempts, float *scratch, int64_t *out);
+
+/* sample.c: temperature sampling by inverse CDF */
+int cbgen_sample_f32(const float *logits, int64_t B, int64_t V, int64_t ld,
+                     const float *temperature, const float *u, int64_t *out);
+
+/* decoder.c: a decode step's layers in one call. The two structs are mirrored field for field
+ * by NativeDecoder's ctypes Structures (tests/test_c_header.py compares them). */
+
+/* One layer's weights (small_gemm's panels) and its cache. */
+typedef struct {
+    const float *input_norm, *post_norm;     /* [H] */
+    const float *qkv, *qkv_bias;             /* panels of [Q + 2 KV, H]; bias [Q + 2 KV] or NULL */
+    const float *q_norm, *k_norm;            /* [D] each, or NULL: no q/k norms */
+    const float *o, *gate_up, *down;         /* panels of [H, Q], [2 I, H], [H, I] */
+    float *k_cache, *v_cache;                /* [num_slots, KV] each */
+    const float *cos, *sin;                  /* RoPE tables [positions, head_dim / 2] */
+    const float *pre_ff_norm, *post_ff_norm; /* [H] (gemma) */
+    int64_t window;                          /* sliding window, 0: none */
+} cbgen_layer_f32;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, num_slots;
+    int64_t gemma;             /* Gemma's layers: norms after each block, GeGLU */
+    float eps, scale, softcap; /* softcap 0: none */
+    const float *final_norm;   /* [H] */
+    const cbgen_layer_f32 *layer;
+} cbgen_decoder_f32;
+
+int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T);
+int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *residual,
+                              const int64_t *positions, const int64_t *slots,
+                              const int32_t *block_table, int64_t bt_stride,
+                              const int32_t *seq_lens, float *work, float *out);
+
+#endif
