@@ -18,6 +18,8 @@ CBGEN_CPU_ISA=avx512 or avx2 builds for a lower ISA than this CPU's (-mno-avx512
 -mno-avx512f after -march=native, so the tuning for the CPU stays): its flags are in the key,
 and it is refused, with no library and the reason in the status line, where the CPU lacks it.
 
+Every exported C function is declared once, in csrc/cbgen.h; SIGNATURES gives ctypes the same
+signatures, and no build is compiled or loaded while cbgen.cpu.c_header finds them different.
 The Python side of each kernel, with its argument checks, is cbgen.cpu.kernels.
 """
 
@@ -37,6 +39,13 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
+from cbgen.cpu.c_header import (
+    HeaderError,
+    Signature,
+    SignatureMismatch,
+    check_signatures,
+    parse_header,
+)
 from cbgen.cpu.features import ISA_SETTING, CpuInfo, cpu_info, isa_refusal, isa_setting
 
 logger = logging.getLogger("cbgen")
@@ -61,6 +70,9 @@ _SRCS = {
     # a decode step's layers in one call: it only calls the kernels above
     _CSRC / "decoder.c": ("-ffp-contract=off",),
 }
+HEADER = _CSRC / "cbgen.h"
+"""Every function the library exports, declared once: the C files include it, and
+signature_mismatch holds SIGNATURES to it."""
 # every header in csrc, found rather than listed, so that a header added there is in the cache
 # key without anyone remembering to name it here
 _HEADERS = sorted(_CSRC.glob("*.h"))
@@ -222,15 +234,20 @@ def find_compiler() -> str | None:
 def build_library(cache: Path, extra_flags: Sequence[str] = ()) -> Build:
     """Build (unless cache already holds the build for this compiler, target and sources) and
     load the kernels, compiled with the default flags plus extra_flags (("-mno-avx512f",):
-    the AVX2 build). A failed build leaves the compiler's stderr in cache/build-<key>.log."""
+    the AVX2 build). A failed build leaves the compiler's stderr in cache/build-<key>.log.
+    Where SIGNATURES disagree with cbgen.h nothing is compiled or loaded, and the reason lists
+    the differences."""
     cc = find_compiler()
     if cc is None:
         return Build(None, "no C compiler")
     flags = (*_FLAGS, *extra_flags)
     try:
         payload = build_payload(flags)
+        mismatch = signature_mismatch()
     except OSError as e:  # an install without the sources (they ship as package data)
         return Build(None, f"kernel source missing: {e.filename}")
+    if mismatch is not None:  # a bug of this package, which the tests catch too
+        return Build(None, mismatch)
     try:
         target = probe_target(cc, flags)
     except _CommandFailed as e:  # named by the compiler's path and the sources alone
@@ -303,75 +320,73 @@ def native_status() -> str:
     return _build(()).status()
 
 
+_p, _int, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+SIGNATURES: dict[str, Signature] = {
+    "cbgen_paged_decode_f32": (
+        _int,
+        [_p, _i64, _p, _p, _p, _i64, _p, *[_i64] * 5, _f32, _i64, _f32, _p],
+    ),
+    "cbgen_exp_sub_sum_f32": (_f32, [_p, _i64, _f32]),
+    "cbgen_add_rmsnorm_f32": (None, [_p, _p, _p, _f32, _i64, _i64, _p]),
+    "cbgen_rope_f32": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p]),
+    "cbgen_rmsnorm_heads_f32": (None, [_p, _i64, _i64, _i64, _i64, _p, _f32]),
+    "cbgen_write_kv_f32": (_int, [_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64]),
+    "cbgen_head_bf16": (
+        _i64,
+        [_p, _i64, _i64, _p, _p, _i64, _p, _p, _p, *[_f32] * 4, _p, _p, _i64, _p],
+    ),
+    "cbgen_head_i16_available": (_i64, []),
+    "cbgen_head_i16_preferred": (_i64, []),
+    "cbgen_head_i16_levels": (_i64, [_i64]),
+    "cbgen_head_i16_pack": (_int, [_p, _i64, _i64, _i64, _p, _p, _p]),
+    "cbgen_head_i16": (
+        _i64,
+        [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _p, *[_f32] * 4, _p, _p, _i64, _p, _p],
+    ),
+    "cbgen_pack_panels_f32": (None, [_p, _i64, _i64, _p]),
+    "cbgen_small_gemm_f32": (None, [_p, _i64, _i64, _p, _i64, _p, _p]),
+    "cbgen_small_gemm_max_rows": (_i64, []),
+    "cbgen_small_gemm_set_blocked_rows": (None, [_i64]),
+    "cbgen_small_gemm_blocked_rows": (_i64, []),
+    "cbgen_small_gemm_gated_f32": (_int, [_p, _i64, _i64, _p, _i64, _int, _p]),
+    "cbgen_prefill_attention_f32": (_int, [_p, _i64, _p, _p, _p, *[_i64] * 6, _f32, _i64, _f32]),
+    "cbgen_native_prefill_rows": (_i64, []),
+    "cbgen_prefill_kernel_preferred": (_int, []),
+    "cbgen_silu_mul_f32": (None, [_p, _i64, _i64, _p]),
+    "cbgen_gelu_tanh_mul_f32": (None, [_p, _i64, _i64, _p]),
+    "cbgen_sample_f32": (_int, [_p, _i64, _i64, _i64, _p, _p, _p]),
+    "cbgen_decoder_work_f32": (_i64, [_p, _i64]),
+    "cbgen_decoder_forward_f32": (_int, [_p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p]),
+}
+"""name -> (restype, argtypes) of every function cbgen.h declares, as ctypes converts the
+arguments: pointers are c_void_p (callers pass tensor.data_ptr()), int is c_int, int64_t c_int64.
+signature_mismatch() holds them to the header."""
+
+
+def signature_mismatch() -> str | None:
+    """Why SIGNATURES disagree with cbgen.h (every difference, on one line), or None when they
+    agree.
+
+    build_library asks this before it compiles or loads anything, so a library whose ctypes
+    signatures differ from its C declarations is never called (a wrong type corrupts arguments
+    or memory silently). Both are files of this package, so the answer changes only when the
+    package does, and tests/test_c_header.py asks it too; it runs at every build anyway, so that
+    a source tree edited on either side without running the tests still never calls through a
+    wrong type, because it is cheap: parsing the header and comparing its 26 functions took
+    ~1.5 ms the first time in a process and ~0.7 ms after, and importing c_header ~4 ms (on a
+    busy 2-core box), against the second or more that importing torch takes at every start.
+    """
+    try:
+        check_signatures(parse_header(HEADER.read_text()), SIGNATURES)
+    except HeaderError as e:
+        return f"cannot read {HEADER.name}: {e}"
+    except SignatureMismatch as e:  # one line: it ends the status line
+        return f"ctypes signatures disagree with {HEADER.name}: {'; '.join(e.problems)}"
+    return None
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    """The C signatures, for ctypes to convert the arguments."""
-    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.cbgen_paged_decode_f32.argtypes = [p, i64, p, p, p, i64, p, *(i64,) * 5, f32, i64, f32, p]
-    lib.cbgen_paged_decode_f32.restype = ctypes.c_int
-    lib.cbgen_exp_sub_sum_f32.argtypes = [p, i64, f32]
-    lib.cbgen_exp_sub_sum_f32.restype = f32
-    lib.cbgen_add_rmsnorm_f32.argtypes = [p, p, p, f32, i64, i64, p]
-    lib.cbgen_add_rmsnorm_f32.restype = None
-    lib.cbgen_rope_f32.argtypes = [p, i64, i64, i64, i64, p, p, p]
-    lib.cbgen_rope_f32.restype = None
-    lib.cbgen_rmsnorm_heads_f32.argtypes = [p, i64, i64, i64, i64, p, f32]
-    lib.cbgen_rmsnorm_heads_f32.restype = None
-    lib.cbgen_write_kv_f32.argtypes = [p, i64, p, i64, p, p, i64, p, i64, i64]
-    lib.cbgen_write_kv_f32.restype = ctypes.c_int
-    lib.cbgen_head_bf16.argtypes = [p, i64, i64, p, p, i64, p, p, p, *[f32] * 4, p, p, i64, p]
-    lib.cbgen_head_bf16.restype = i64
-    lib.cbgen_head_i16_available.argtypes = []
-    lib.cbgen_head_i16_available.restype = i64
-    lib.cbgen_head_i16_preferred.argtypes = []
-    lib.cbgen_head_i16_preferred.restype = i64
-    lib.cbgen_head_i16_levels.argtypes = [i64]
-    lib.cbgen_head_i16_levels.restype = i64
-    lib.cbgen_head_i16_pack.argtypes = [p, i64, i64, i64, p, p, p]
-    lib.cbgen_head_i16_pack.restype = ctypes.c_int
-    lib.cbgen_head_i16.argtypes = [
-        p,
-        i64,
-        i64,
-        p,
-        p,
-        i64,
-        i64,
-        p,
-        p,
-        p,
-        *[f32] * 4,
-        p,
-        p,
-        i64,
-        p,
-        p,
-    ]
-    lib.cbgen_head_i16.restype = i64
-    lib.cbgen_pack_panels_f32.argtypes = [p, i64, i64, p]
-    lib.cbgen_pack_panels_f32.restype = None
-    lib.cbgen_small_gemm_f32.argtypes = [p, i64, i64, p, i64, p, p]
-    lib.cbgen_small_gemm_f32.restype = None
-    lib.cbgen_small_gemm_max_rows.argtypes = []
-    lib.cbgen_small_gemm_max_rows.restype = i64
-    lib.cbgen_small_gemm_set_blocked_rows.argtypes = [i64]
-    lib.cbgen_small_gemm_set_blocked_rows.restype = None
-    lib.cbgen_small_gemm_blocked_rows.argtypes = []
-    lib.cbgen_small_gemm_blocked_rows.restype = i64
-    lib.cbgen_small_gemm_gated_f32.argtypes = [p, i64, i64, p, i64, ctypes.c_int, p]
-    lib.cbgen_small_gemm_gated_f32.restype = ctypes.c_int
-    lib.cbgen_prefill_attention_f32.argtypes = [p, i64, p, p, p, *(i64,) * 6, f32, i64, f32]
-    lib.cbgen_prefill_attention_f32.restype = ctypes.c_int
-    lib.cbgen_native_prefill_rows.argtypes = []
-    lib.cbgen_native_prefill_rows.restype = i64
-    lib.cbgen_prefill_kernel_preferred.argtypes = []
-    lib.cbgen_prefill_kernel_preferred.restype = ctypes.c_int
-    lib.cbgen_silu_mul_f32.argtypes = [p, i64, i64, p]
-    lib.cbgen_silu_mul_f32.restype = None
-    lib.cbgen_gelu_tanh_mul_f32.argtypes = [p, i64, i64, p]
-    lib.cbgen_gelu_tanh_mul_f32.restype = None
-    lib.cbgen_sample_f32.argtypes = [p, i64, i64, i64, p, p, p]
-    lib.cbgen_sample_f32.restype = ctypes.c_int
-    lib.cbgen_decoder_work_f32.argtypes = [p, i64]
-    lib.cbgen_decoder_work_f32.restype = i64
-    lib.cbgen_decoder_forward_f32.argtypes = [p, i64, p, p, p, p, i64, p, p, p]
-    lib.cbgen_decoder_forward_f32.restype = ctypes.c_int
+    """Give ctypes the C signatures (SIGNATURES) to convert the arguments."""
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
