@@ -29,15 +29,8 @@ HEADER_TEXT = build.HEADER.read_text()
 
 
 def _decoder_module() -> ModuleType:
-    """The module of NativeDecoder's ctypes Structures: cbgen.runtime.cpu_decoder once issue 36's
-    runtime lands, cbgen.cpu.decoder before (drop that name when the move is committed)."""
-    for name in ("cbgen.runtime.cpu_decoder", "cbgen.cpu.decoder"):
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name is None or not name.startswith(e.name):
-                raise  # a module it imports is missing: not the move
-    raise AssertionError("no module holds NativeDecoder's Structures")
+    """The module of NativeDecoder's ctypes Structures."""
+    return importlib.import_module("cbgen.runtime.cpu_decoder")
 
 
 def _problems(header_text: str, signatures: dict[str, build.Signature]) -> list[str]:
@@ -94,9 +87,9 @@ def test_the_decoder_structs_agree_with_the_header() -> None:
             id="a return type",
         ),
         pytest.param(
-            "void cbgen_small_gemm_set_blocked_rows(int64_t rows);",
-            "int cbgen_small_gemm_set_blocked_rows(int64_t rows);",
-            "cbgen_small_gemm_set_blocked_rows returns int, ctypes restype None (void)",
+            "void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp);",
+            "int cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp);",
+            "cbgen_pack_panels_f32 returns int, ctypes restype None (void)",
             id="void returning a value",
         ),
         pytest.param(
@@ -139,8 +132,9 @@ def test_an_altered_header_is_caught(old: str, new: str, want: str) -> None:
 def test_altered_ctypes_signatures_are_caught() -> None:
     signatures = dict(build.SIGNATURES)
     restype, args = signatures["cbgen_small_gemm_f32"]
-    # x, M, K, wp, N, bias, y: M as c_int, and y a pointer to double; x a typed float pointer
-    altered = [ctypes.POINTER(ctypes.c_float), ctypes.c_int, *args[2:6]]
+    # x, M, K, wp, N, bias, blocked_from, y: M as c_int, and y a pointer to double; x a typed
+    # float pointer
+    altered = [ctypes.POINTER(ctypes.c_float), ctypes.c_int, *args[2:7]]
     signatures["cbgen_small_gemm_f32"] = (restype, [*altered, ctypes.POINTER(ctypes.c_double)])
     signatures["cbgen_head_i16_available"] = (ctypes.c_int, [])  # restype left at the default
     signatures["cbgen_silu_mul_f32"] = (None, args[:3])  # an argument short
@@ -149,7 +143,7 @@ def test_altered_ctypes_signatures_are_caught() -> None:
         "cbgen_head_i16_available returns int64_t, ctypes restype c_int, a 4-byte signed integer",
         "cbgen_silu_mul_f32",
         "cbgen_small_gemm_f32 argument 2 (int64_t M)",
-        "cbgen_small_gemm_f32 argument 7 (float * y)",
+        "cbgen_small_gemm_f32 argument 8 (float * y)",
     ], problems
     assert "whose pointee: c_double, a 8-byte float" in problems[-1]
 

@@ -1,5 +1,5 @@
 """The per-machine tuning pass: the crossover it picks, the file it keeps beside the kernel
-build, and the threshold every CPU linear layer then follows."""
+build, and the thresholds each engine's runtime then holds."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from cbgen.cpu import build, kernels, tuning
-from cbgen.cpu.linear import linear, onednn_packing_available, pack_weight
+from cbgen.cpu.linear import onednn_packing_available
+from cbgen.engine.engine import Engine
+from cbgen.runtime.cpu import CpuRuntime
+from cbgen.runtime.cpu_linear import CpuThresholds
 
 no_kernels = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
 no_onednn = pytest.mark.skipif(
@@ -33,10 +35,9 @@ def test_blocks_start_where_they_stop_losing_for_good() -> None:
 
 
 @needs_kernels
-def test_measure_blocked_times_both_paths_and_leaves_the_switch_as_it_was() -> None:
-    before = kernels.small_gemm_blocked_rows()
+def test_measure_blocked_times_both_paths() -> None:
     got = tuning.measure_blocked(reps=1)
-    assert got is not None and kernels.small_gemm_blocked_rows() == before
+    assert got is not None
     tiles, blocked = got
     assert len(tiles) == len(blocked) == len(tuning.BLOCKED_TRIED)
     assert all(0 < t < 5 for t in (*tiles, *blocked))
@@ -56,9 +57,9 @@ def test_tune_measures_once_and_reads_back(tmp_path: Path, monkeypatch: pytest.M
     calls: list[int] = []
     real = tuning.measure
 
-    def counted(reps: int = 5) -> tuple[list[float], list[float]] | None:
+    def counted(reps: int = 5, blocked_from: int = 0) -> tuple[list[float], list[float]] | None:
         calls.append(reps)
-        return real(reps=1)
+        return real(reps=1, blocked_from=blocked_from)
 
     monkeypatch.setattr(tuning, "measure", counted)
     monkeypatch.setattr(tuning, "_load_per_cpu", lambda: 0.0)
@@ -85,8 +86,8 @@ def test_tune_times_the_int16_head_where_it_is_a_choice(
 ) -> None:
     """The faster head is kept with its timings; where the int16 head is no choice (None: not in
     the build, or bf16 dot products) it is neither timed nor taken, even from a file that says so."""
-    monkeypatch.setattr(tuning, "measure", lambda reps=5: ([1.0], [2.0]))
-    monkeypatch.setattr(tuning, "measure_blocked", lambda reps=5: None)
+    monkeypatch.setattr(tuning, "measure", lambda reps=5, blocked_from=0: ([1.0], [2.0]))
+    monkeypatch.setattr(tuning, "measure_blocked", lambda reps=5, blocked_from=0: None)
     monkeypatch.setattr(tuning, "_load_per_cpu", lambda: 0.0)
     for times, want in (((2.0, 1.0), True), ((1.0, 2.0), False)):
         monkeypatch.setattr(tuning, "measure_head", lambda reps=5, t=times: t)
@@ -121,7 +122,7 @@ def test_measure_head_times_both_heads() -> None:
 def test_tune_without_onednn_keeps_the_build_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tuning, "measure", lambda reps=5: None)
+    monkeypatch.setattr(tuning, "measure", lambda reps=5, blocked_from=0: None)
     monkeypatch.setattr(tuning, "_load_per_cpu", lambda: 0.0)
     got = tuning.tune(tmp_path / "x.so", default=96)
     assert got.small_gemm_max_rows == 96 and got.source.startswith("build default")
@@ -140,36 +141,12 @@ def test_a_busy_machine_is_not_measured(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @needs_kernels
-def test_linear_follows_the_threshold_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(64, 32, generator=gen)
-    panels, packed = kernels.pack_panels(weight), pack_weight(weight)
-    x = torch.randn(8, 32, generator=gen)
-    used: list[int] = []
-    real = kernels.small_gemm
-
-    def spy(a: torch.Tensor, p: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        used.append(a.shape[0])
-        return real(a, p, b)
-
-    monkeypatch.setattr(kernels, "small_gemm", spy)
-    try:
-        kernels.set_small_gemm_max_rows(8)
-        small = linear(x, weight, None, packed, panels)
-        kernels.set_small_gemm_max_rows(4)
-        large = linear(x, weight, None, packed, panels)
-    finally:
-        kernels.set_small_gemm_max_rows(None)
-    assert used == [8]  # the second call went to oneDNN
-    torch.testing.assert_close(small, x @ weight.T)
-    torch.testing.assert_close(large, x @ weight.T)
-    assert kernels.small_gemm_max_rows() == build.load_library().cbgen_small_gemm_max_rows()  # type: ignore[union-attr]
-
-
-@needs_kernels
-def test_apply_sets_the_threshold_and_the_start_up_line_names_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_the_runtime_holds_the_tuned_thresholds_and_the_start_up_line_names_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Callable[[str], Path]
 ) -> None:
+    """The tuning kept beside the build is read back by each engine's runtime, which holds
+    its thresholds (no process global changes: another runtime keeps its own), and the
+    start-up line says what it took."""
     native = build.native_build()
     assert native.path is not None
     lib_copy = tmp_path / native.path.name
@@ -188,21 +165,19 @@ def test_apply_sets_the_threshold_and_the_start_up_line_names_it(
         )
     )
     monkeypatch.setenv("CBGEN_CPU_TUNING", "on")
-    monkeypatch.setattr(tuning, "_applied", [])
-    default_blocks = kernels.small_gemm_blocked_rows()
-    try:
-        got = tuning.apply()
-        assert got == tuning.Tuning(48, "measured", False, 24)
-        assert kernels.small_gemm_max_rows() == 48 and kernels.small_gemm_blocked_rows() == 24
-        assert tuning.apply() is got and tuning.applied() is got
-        from cbgen.engine.engine import Engine
-
-        line = ", small_gemm up to 48 rows (row blocks from 24) (measured)"
-        assert Engine._native_line().endswith(line)
-    finally:
-        kernels.set_small_gemm_max_rows(None)
-        kernels.set_small_gemm_blocked_rows(None)
-    assert kernels.small_gemm_blocked_rows() == default_blocks
+    assert tuning.for_this_machine() == tuning.Tuning(48, "measured", False, 24)
+    engine = Engine(model=str(tiny_model_dir("llama")), device="cpu", kv_cache_memory=1 << 20)
+    runtime = engine.runtime
+    assert isinstance(runtime, CpuRuntime)
+    assert runtime.thresholds == CpuThresholds(48, 24)
+    assert ", small_gemm up to 48 rows (row blocks from 24) (measured)" in engine.describe()
+    monkeypatch.setenv("CBGEN_CPU_TUNING", "off")
+    other = Engine(model=str(tiny_model_dir("llama")), device="cpu", kv_cache_memory=1 << 20)
+    assert isinstance(other.runtime, CpuRuntime)
+    default = CpuThresholds(
+        kernels.build_small_gemm_max_rows(), kernels.build_small_gemm_blocked_rows()
+    )
+    assert other.runtime.thresholds == default and runtime.thresholds == CpuThresholds(48, 24)
 
 
 def test_the_busy_share_is_what_the_cpus_did_while_the_pass_waited(

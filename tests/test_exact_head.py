@@ -182,7 +182,7 @@ def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
         )
         model = engine.runner.model
         cls = make_head
-        model.exact_head = cls(model.head_weight.data) if with_head else None
+        engine.runtime.exact_head = cls(model.head_weight.data) if with_head else None
         rows: list[int] = []
         logits_rows = 0
         inner_logits = model.compute_logits

@@ -1,5 +1,5 @@
-"""The MLP's gate-up matmul and its activation in one pass (CpuOps.gated_linear): taken by the
-Python forward's steps whose rows go to small_gemm's row blocks (the one-call decoder's steps
+"""The MLP's gate-up matmul and its activation in one pass (the CPU linear method's apply_gated):
+taken by the Python forward's steps whose rows go to small_gemm's row blocks (the one-call decoder's steps
 keep their own order of kernels), with the tokens of the two-step path, on the default build and
 on the AVX2 one."""
 
@@ -13,9 +13,10 @@ import pytest
 from conftest import tiny_engine
 
 from cbgen.config import SamplingParams
-from cbgen.cpu import kernels, tuning
-from cbgen.cpu.ops import CpuOps
+from cbgen.cpu import kernels
 from cbgen.llm import LLM
+from cbgen.runtime.cpu import CpuRuntime
+from cbgen.runtime.cpu_linear import PackedF32Linear
 
 pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
 
@@ -30,7 +31,13 @@ whatever the build's default (96 rows with AVX2, 256 with AVX-512) or a tuning p
 
 
 def _tokens(engine: Any) -> list[list[int]]:
-    engine.runner.model.native_decoder = None
+    """Greedy tokens of PROMPTS through the Python forward, the row thresholds forced (small_gemm
+    for every step, its blocks from BLOCKS_FROM rows) on the engine's own runtime."""
+    runtime = engine.runtime
+    assert isinstance(runtime, CpuRuntime)
+    runtime.decoder = None
+    runtime.thresholds.small_gemm_max_rows = STEP_ROWS
+    runtime.thresholds.blocked_rows = BLOCKS_FROM
     sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     return [o.output_token_ids for o in LLM(engine=engine).generate(PROMPTS, sampling)]
 
@@ -40,26 +47,13 @@ def _tokens(engine: Any) -> list[list[int]]:
 def test_prompt_steps_take_the_one_pass_mlp_with_the_same_tokens(
     kind: str, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The row thresholds forced (small_gemm for every step, its blocks from BLOCKS_FROM rows):
-    the prompt steps take the one-pass MLP, with the tokens of small_gemm then the activation."""
-    tuning.apply()  # once a process, at the first engine: it would undo what is forced here
-    monkeypatch.setattr(kernels, "small_gemm_max_rows", lambda: STEP_ROWS)
-    before = kernels.small_gemm_blocked_rows()
-    kernels.set_small_gemm_blocked_rows(BLOCKS_FROM)
-    try:
-        _compare(kind, tiny_model_dir, monkeypatch)
-    finally:
-        kernels.set_small_gemm_blocked_rows(before)
-
-
-def _compare(
-    kind: str, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+    """The prompt steps take the one-pass MLP, with the tokens of small_gemm then the
+    activation."""
     served: list[int] = []
     inner = kernels.small_gemm_gated
 
-    def counted(x: Any, panels: Any, activation: str) -> Any:
-        got = inner(x, panels, activation)
+    def counted(x: Any, panels: Any, activation: str, blocked_from: int = 0) -> Any:
+        got = inner(x, panels, activation, blocked_from)
         if got is not None:
             served.append(x.shape[0])
         return got
@@ -67,8 +61,7 @@ def _compare(
     monkeypatch.setattr(kernels, "small_gemm_gated", counted)
     engine = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=STEP_ROWS)
     got = _tokens(engine)
-    assert kernels.small_gemm_blocked_rows() == BLOCKS_FROM  # the engine kept what was forced
     assert served and min(served) >= BLOCKS_FROM and max(served) <= STEP_ROWS
-    monkeypatch.setattr(CpuOps, "gated_linear", lambda self, x, gate_up, activation: None)
+    monkeypatch.setattr(PackedF32Linear, "apply_gated", lambda self, x, activation: None)
     plain = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=STEP_ROWS)
     assert _tokens(plain) == got

@@ -18,11 +18,11 @@ from conftest import TINY_CONFIGS, save_random
 
 from cbgen.config import AttentionBackendName, EngineConfig, SamplingParams
 from cbgen.cpu.kernels import fused_ops_available, native_status
-from cbgen.cpu.ops import CPU_OPS
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
 from cbgen.models.config import ModelConfig
 from cbgen.models.ops import TORCH_OPS
+from cbgen.runtime.cpu_ops import CPU_OPS
 
 NEW_TOKENS = 24
 FIRST = [
@@ -155,7 +155,7 @@ def test_soft_capped_logits_skip_the_exact_head(tiny_model_dir: Callable[[str], 
         num_threads=1,
     )
     assert engine.model_config.final_logit_softcap == 8.0
-    assert engine.model.exact_head is None
+    assert engine.runtime.exact_head is None and not engine.model.exact_head_allowed
 
 
 GEMMA2_CONFIG: dict[str, Any] = dict(

@@ -130,3 +130,89 @@ def test_every_module_imports_on_its_own() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---- which package may import which --------------------------------------------------------
+
+ALLOWED: dict[str, set[str]] = {
+    # the kernel layers: tensors in, tensors out; they know no model, backend or engine
+    "cbgen.cpu": set(),
+    "cbgen.config": set(),
+    "cbgen.metrics": set(),
+    "cbgen.display": {"cbgen.config", "cbgen.metrics"},
+    "cbgen.attention": {"cbgen.config", "cbgen.cpu"},
+    # models are neutral: they run on whatever ops and linear methods a runtime gives them
+    "cbgen.models": {"cbgen.attention", "cbgen.config"},
+    # the one place that binds a model to a device's kernels
+    "cbgen.runtime": {"cbgen.attention", "cbgen.config", "cbgen.cpu", "cbgen.models"},
+    "cbgen.engine": {
+        "cbgen.attention",
+        "cbgen.config",
+        "cbgen.metrics",
+        "cbgen.models",
+        "cbgen.runtime",
+    },
+    "cbgen.llm": {"cbgen.config", "cbgen.engine", "cbgen.metrics"},
+    # a run and the benchmarks report the machine (cbgen.cpu.features), nothing else of it
+    "cbgen.io": {
+        "cbgen",
+        "cbgen.config",
+        "cbgen.cpu.features",
+        "cbgen.display",
+        "cbgen.engine",
+        "cbgen.metrics",
+        "cbgen.models",
+    },
+    "cbgen.bench": {
+        "cbgen.cli_options",
+        "cbgen.config",
+        "cbgen.cpu.features",
+        "cbgen.engine",
+        "cbgen.metrics",
+        "cbgen.models",
+    },
+    "cbgen.cli_options": {"cbgen.config"},
+    "cbgen.run_command": {"cbgen.cli_options", "cbgen.config", "cbgen.display", "cbgen.io"},
+    "cbgen.cli": {"cbgen", "cbgen.bench", "cbgen.models", "cbgen.run_command"},
+    "cbgen": {"cbgen.config", "cbgen.llm"},
+}
+"""Package (or top-level module) -> the cbgen packages and modules it may import, anywhere in
+its code, functions included (docs/DESIGN.md draws it). A package always imports itself."""
+
+
+def _owner(module: str) -> str:
+    """The ALLOWED key a module belongs to: the longest that is it or a package above it."""
+    keys = [k for k in ALLOWED if _within(module, k)]
+    return max(keys, key=len)
+
+
+def _within(module: str, key: str) -> bool:
+    """module is key or inside it (the package cbgen itself counts as its __init__ alone)."""
+    return module == key or (key != "cbgen" and module.startswith(key + "."))
+
+
+def _allowed(source: str, target: str) -> bool:
+    owner = _owner(source)
+    return _within(target, owner) or any(_within(target, a) for a in ALLOWED[owner])
+
+
+def test_each_package_imports_only_what_the_layering_allows() -> None:
+    graph = import_graph(module_names())
+    wrong = sorted(
+        f"{source} imports {target}"
+        for source, targets in graph.items()
+        for target in targets
+        if not _allowed(source, target)
+    )
+    assert wrong == []
+    assert all(_owner(m) for m in graph)  # every module has a row
+
+
+def test_the_layering_check_sees_a_forbidden_import() -> None:
+    assert not _allowed("cbgen.cpu.kernels", "cbgen.models.base")
+    assert not _allowed("cbgen.models.llama", "cbgen.cpu.kernels")
+    assert not _allowed("cbgen.engine.engine", "cbgen.cpu.tuning")
+    assert not _allowed("cbgen.io.summary", "cbgen.cpu.kernels")
+    assert _allowed("cbgen.io.summary", "cbgen.cpu.features")
+    assert _allowed("cbgen.runtime.cpu", "cbgen.cpu.kernels")
+    assert _allowed("cbgen.cpu.kernels", "cbgen.cpu.build")

@@ -14,6 +14,7 @@ from conftest import tiny_engine
 
 from cbgen.config import SamplingParams
 from cbgen.llm import LLM
+from cbgen.runtime.cpu import CpuRuntime
 
 PROMPTS = [list(range(30, 70)), [1, 5, 9, 200, 17], [7] * 19, [100, 3, 77, 42, 42, 9, 250, 17]]
 
@@ -51,6 +52,13 @@ def _generate(engine: Any, prompts: list[list[int]], **params: Any) -> list[Any]
     return LLM(engine=engine).generate(prompts, sampling)
 
 
+def python_forward(engine: Any) -> None:
+    """Every step through the model's Python forward (not the runtime's one-call decoder)."""
+    runtime = engine.runtime
+    assert isinstance(runtime, CpuRuntime)
+    runtime.decoder = None
+
+
 @pytest.mark.parametrize(
     "kind", ["llama", "qwen3", "phi3", "phi4_mini", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 )
@@ -61,7 +69,7 @@ def test_the_rows_the_head_reads_are_the_full_passes(
     and decode-only steps (every row asked: the model is given no rows)."""
     engine = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=16)
     model = engine.runner.model
-    model.native_decoder = None
+    python_forward(engine)
     pruned = Pruned(model, exact=kind not in ("mixtral", "qwen3_moe"))
     outputs = _generate(engine, PROMPTS)
     assert all(len(o.output_token_ids) == 6 for o in outputs)
@@ -71,7 +79,7 @@ def test_the_rows_the_head_reads_are_the_full_passes(
     # the tokens of a pass that computes every row and hands the head its rows
     plain = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=16)
     full_model = plain.runner.model
-    full_model.native_decoder = None
+    python_forward(plain)
     every_row = full_model.forward_layers
 
     def unpruned(input_ids: Any, positions: Any, kv_caches: Any, meta: Any, backend: Any,
@@ -87,7 +95,7 @@ def test_the_rows_the_head_reads_are_the_full_passes(
 def test_prompt_logprobs_get_every_row(tiny_model_dir: Callable[[str], Path]) -> None:
     engine = tiny_engine(tiny_model_dir("llama"), max_num_batched_tokens=16)
     model = engine.runner.model
-    model.native_decoder = None
+    python_forward(engine)
     pruned = Pruned(model)
     (out,) = _generate(engine, PROMPTS[:1], prompt_logprobs=1)
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(PROMPTS[0])

@@ -153,9 +153,9 @@ def test_rows_with_controls_never_take_the_exact_head(engine: Engine) -> None:
         {"bad_words": ["a"]},
     ]
     want = [greedy(engine, PROMPTS[:1], **controls) for controls in cases]
-    model = engine.runner.model
+    runtime = engine.runtime
     head = ZeroHead()
-    model.exact_head = head  # type: ignore[assignment]
+    runtime.exact_head = head  # type: ignore[assignment]
     try:
         plain = greedy(engine, PROMPTS[:1])
         assert plain == [[0] * NEW_TOKENS] and head.rows == NEW_TOKENS
@@ -164,7 +164,7 @@ def test_rows_with_controls_never_take_the_exact_head(engine: Engine) -> None:
             assert greedy(engine, PROMPTS[:1], **controls) == tokens
             assert head.rows == 0, controls
     finally:
-        model.exact_head = None
+        runtime.exact_head = None
 
 
 def test_logit_bias_keys_and_values_as_openai_gives_them() -> None:

@@ -215,7 +215,7 @@ def test_rows_with_logprobs_take_the_float32_head(tiny_model_dir: Callable[[str]
     model = tiny_model_dir("llama")
     engine = engine_for(model)
     head = RecordingHead(engine)
-    engine.runner.model.exact_head = head  # type: ignore[assignment]
+    engine.runtime.exact_head = head  # type: ignore[assignment]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     outs = generate(
         engine,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,9 +19,10 @@ from cbgen.attention import cpu_backend, torch_backend
 from cbgen.cpu import build as cpu_build
 from cbgen.cpu import kernels
 from cbgen.cpu.features import ISA_SETTING, CpuInfo, cpu_info
-from cbgen.cpu.ops import CPU_OPS
-from cbgen.models.llama import RMSNorm
+from cbgen.models.base import RMSNorm
 from cbgen.models.ops import TORCH_OPS
+from cbgen.runtime.cpu_linear import PackedF32Linear
+from cbgen.runtime.cpu_ops import CPU_OPS, CpuOps
 
 pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
 
@@ -499,12 +501,8 @@ def test_small_gemm_tall_batches_give_every_row_the_bits_it_gets_alone(n: int, k
         got = kernels.small_gemm(x[:m], panels, bias)
         assert torch.equal(got, alone[:m]), m
     # the tuning pass may start the blocks at any decode size: the same bits there too
-    try:
-        kernels.set_small_gemm_blocked_rows(1)
-        for m in (1, 5, 6, 7, 16, 17, 64):
-            assert torch.equal(kernels.small_gemm(x[:m], panels, bias), alone[:m]), m
-    finally:
-        kernels.set_small_gemm_blocked_rows(None)
+    for m in (1, 5, 6, 7, 16, 17, 64):
+        assert torch.equal(kernels.small_gemm(x[:m], panels, bias, blocked_from=1), alone[:m]), m
     torch.testing.assert_close(alone, x @ weight.T + bias, rtol=1e-5, atol=1e-4)
     # rows past the batch are never written: the output is exactly [M, N]
     assert kernels.small_gemm(x[:97], panels, None).shape == (97, n)
@@ -526,7 +524,7 @@ def test_the_gated_matmul_gives_the_bits_of_the_matmul_then_the_activation(
     panels = kernels.pack_panels(weight)
     assert panels is not None
     x = torch.randn(400, k)
-    blocked = kernels.small_gemm_blocked_rows()
+    blocked = kernels.build_small_gemm_blocked_rows()
     for m in (blocked, blocked + 1, blocked + 7, 400):
         if m > 400:
             continue
@@ -534,14 +532,10 @@ def test_the_gated_matmul_gives_the_bits_of_the_matmul_then_the_activation(
         want = getattr(kernels, separate)(kernels.small_gemm(x[:m], panels, None))
         assert got is not None and torch.equal(got, want), m
     assert kernels.small_gemm_gated(x[: blocked - 1], panels, activation) is None
-    try:
-        kernels.set_small_gemm_blocked_rows(1)
-        for m in (1, 5, 6, 7):
-            got = kernels.small_gemm_gated(x[:m], panels, activation)
-            want = getattr(kernels, separate)(kernels.small_gemm(x[:m], panels, None))
-            assert got is not None and torch.equal(got, want), m
-    finally:
-        kernels.set_small_gemm_blocked_rows(None)
+    for m in (1, 5, 6, 7):
+        got = kernels.small_gemm_gated(x[:m], panels, activation, blocked_from=1)
+        want = getattr(kernels, separate)(kernels.small_gemm(x[:m], panels, None))
+        assert got is not None and torch.equal(got, want), m
     with pytest.raises(ValueError, match="activation: expected one of"):
         kernels.small_gemm_gated(x, panels, "relu")
 
@@ -609,22 +603,40 @@ def test_packed_panels_live_in_memory_advised_for_huge_pages() -> None:
     assert _thp_mode() == "always" or _thp_eligible(plain.data_ptr()) is False
 
 
-def test_linear_takes_the_panels_for_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cpu_linear_method_takes_the_panels_for_small_batches_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer's packed method sends up to the runtime's threshold of rows to small_gemm (with
+    the runtime's row blocks), more to oneDNN; the thresholds are the runtime's, not the
+    process's: two methods with their own answer their own."""
     from cbgen.cpu.linear import onednn_packing_available
-    from cbgen.models import llama
+    from cbgen.models.base import Linear
+    from cbgen.runtime.cpu_linear import CpuThresholds, PackedF32Linear
 
     torch.manual_seed(7)
-    layer = llama.Linear(64, 96, bias=True)
-    layer.pack(onednn=onednn_packing_available(), panels=True)
+    layer = Linear(64, 96, bias=True)
+    most = kernels.build_small_gemm_max_rows()
+    assert most >= 64  # every decode batch of a default run
+    thresholds = CpuThresholds(most, blocked_rows=5)
+    onednn = onednn_packing_available()
+    layer.method = PackedF32Linear.pack(layer.weight.data, onednn, True, thresholds)
     calls = []
     inner = kernels.small_gemm
-    monkeypatch.setattr(kernels, "small_gemm", lambda *a: calls.append(a[0].shape[0]) or inner(*a))
-    most = kernels.small_gemm_max_rows()
-    assert most >= 64  # every decode batch of a default run
+
+    def counted(*a: Any) -> torch.Tensor:
+        calls.append((a[0].shape[0], a[3]))
+        return inner(*a)
+
+    monkeypatch.setattr(kernels, "small_gemm", counted)
     for m in (1, most, most + 1):
         x = torch.randn(m, 64)
         torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-4)
-    assert calls == [1, most]
+    assert calls == [(1, 5), (most, 5)]
+    other = Linear(64, 96, bias=False)
+    other.method = PackedF32Linear.pack(other.weight.data, onednn, True, CpuThresholds(0))
+    calls.clear()
+    other(torch.randn(1, 64))
+    assert calls == []  # its runtime's threshold: oneDNN (or torch) for every row
 
 
 def test_every_kernel_source_ships_as_package_data() -> None:
@@ -865,14 +877,17 @@ def test_without_the_kernels_the_engine_gives_the_same_greedy_tokens(
         return engine, [o.output_token_ids for o in LLM(engine=engine).generate(prompts, params)]
 
     with_kernels, want = run()
-    assert with_kernels.model.ops is CPU_OPS and with_kernels.model.lm_head_panels is not None
+    assert isinstance(with_kernels.model.ops, CpuOps)
+    assert isinstance(with_kernels.model.head_method, PackedF32Linear)
+    assert with_kernels.model.head_method.panels is not None
     assert (
         "CPU " in with_kernels.describe()
         and "native CPU kernels: built for" in with_kernels.describe()
     )
     monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): None)
     without, got = run()
-    assert without.model.ops is TORCH_OPS and without.model.lm_head_panels is None
+    assert without.model.ops is TORCH_OPS
+    assert getattr(without.model.head_method, "panels", None) is None
     assert got == want and all(len(t) == 24 for t in got)
 
 

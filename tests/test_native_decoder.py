@@ -1,4 +1,4 @@
-"""cbgen.cpu.decoder: a step's forward pass in one C call gives the Python forward's hidden
+"""cbgen.runtime.cpu_decoder: a step's forward pass in one C call gives the Python forward's hidden
 states bit for bit, for the models it serves, with the default build and the AVX2 one; the
 steps and models it does not serve take the Python path."""
 
@@ -14,24 +14,33 @@ from conftest import tiny_engine
 
 from cbgen.config import SamplingParams
 from cbgen.cpu import kernels
-from cbgen.cpu.decoder import NativeDecoder
 from cbgen.llm import LLM
+from cbgen.runtime.cpu import CpuRuntime
+from cbgen.runtime.cpu_decoder import NativeDecoder
 
 pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
 
 
+def cpu_runtime(engine: Any) -> CpuRuntime:
+    runtime = engine.runtime
+    assert isinstance(runtime, CpuRuntime)
+    return runtime
+
+
 class Checked:
-    """Stands in for a model's native decoder: every step it serves is run again by the Python
-    forward (which writes the same K/V again), and the two hidden states must be equal."""
+    """Stands in for a runtime's native decoder: every step it serves is run again by the
+    Python forward (which writes the same K/V again), and the two hidden states must be equal."""
 
     def __init__(self, engine: Any) -> None:
         self.model = engine.runner.model
         self.backend = engine.runner.backend
-        self.native = self.model.native_decoder
-        assert isinstance(self.native, NativeDecoder)
+        runtime = cpu_runtime(engine)
+        native = runtime.decoder
+        assert isinstance(native, NativeDecoder)
+        self.native = native
         self.served: list[int] = []  # tokens of each step served
         self.declined = 0
-        self.model.native_decoder = self
+        runtime.decoder = self  # type: ignore[assignment]
 
     def __call__(self, input_ids: Any, positions: Any, kv_caches: Any, meta: Any) -> Any:
         got = self.native(input_ids, positions, kv_caches, meta)
@@ -82,12 +91,8 @@ def test_steps_past_the_row_blocks_apply_the_activation_on_the_tiles_with_the_sa
     blocks start at 8 rows here, so most steps take it, and the smaller ones the two passes."""
     engine = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=24)
     checked = Checked(engine)
-    before = kernels.small_gemm_blocked_rows()  # after the engine's tuning pass set it
-    kernels.set_small_gemm_blocked_rows(8)
-    try:
-        tokens = _generate(engine, PROMPTS)
-    finally:
-        kernels.set_small_gemm_blocked_rows(before)
+    cpu_runtime(engine).thresholds.blocked_rows = 8
+    tokens = _generate(engine, PROMPTS)
     assert all(len(t) == 20 for t in tokens) and checked.declined == 0
     assert max(checked.served) >= 8 and min(checked.served) < 8
 
@@ -101,13 +106,14 @@ def test_steps_with_a_chunk_for_the_prefill_kernel_take_the_python_path(
     tokens are those of an engine without the native decoder."""
     folder = tiny_model_dir("llama")
     monkeypatch.setattr(kernels, "prefill_split", lambda: (40, True))
-    monkeypatch.setattr(kernels, "small_gemm_max_rows", lambda: 6)
     engine = tiny_engine(folder, max_num_batched_tokens=24)
+    cpu_runtime(engine).thresholds.small_gemm_max_rows = 6
     checked = Checked(engine)
     got = _generate(engine, PROMPTS)
     assert checked.declined > 0 and checked.served and max(checked.served) <= 6
     plain = tiny_engine(folder, max_num_batched_tokens=24)
-    plain.runner.model.native_decoder = None
+    cpu_runtime(plain).thresholds.small_gemm_max_rows = 6
+    cpu_runtime(plain).decoder = None
     assert _generate(plain, PROMPTS) == got
 
 
@@ -117,7 +123,7 @@ def test_models_it_does_not_serve_keep_the_python_forward(
 ) -> None:
     """Experts and partial rotary are not in the C pass."""
     engine = tiny_engine(tiny_model_dir(kind))
-    assert engine.runner.model.native_decoder is None
+    assert cpu_runtime(engine).decoder is None
     assert "decode steps: layer by layer" in engine.describe()
     assert len(_generate(engine, PROMPTS[:1])[0]) == 20
 
@@ -126,7 +132,7 @@ def test_weights_kept_in_bf16_keep_the_python_forward(
     tiny_model_dir: Callable[[str], Path],
 ) -> None:
     engine = tiny_engine(tiny_model_dir("llama"), cpu_weight_dtype="bfloat16")
-    assert engine.runner.model.native_decoder is None
+    assert cpu_runtime(engine).decoder is None
 
 
 def test_a_slot_past_the_cache_is_refused_before_anything_is_written(
@@ -136,7 +142,7 @@ def test_a_slot_past_the_cache_is_refused_before_anything_is_written(
     the K/V write of the first layer, which checks every slot before it writes one."""
     engine = tiny_engine(tiny_model_dir("llama"))
     runner = engine.runner
-    native = runner.model.native_decoder
+    native = cpu_runtime(engine).decoder
     assert isinstance(native, NativeDecoder)
     _generate(engine, PROMPTS[:1])
     calls = native.calls
@@ -170,7 +176,7 @@ def _one_decode_meta(runner: Any, slot: int) -> Any:
 
 def test_the_real_model_runs_its_decode_steps_in_one_call(smollm2_engine: Any) -> None:
     """SmolLM2 (the token-exact tests against transformers run through it) takes the C pass."""
-    native = smollm2_engine.runner.model.native_decoder
+    native = cpu_runtime(smollm2_engine).decoder
     assert isinstance(native, NativeDecoder)
     assert "decode steps: one C call each" in smollm2_engine.describe()
     before = native.calls

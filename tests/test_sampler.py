@@ -253,8 +253,9 @@ def test_rows_without_masks_draw_what_the_torch_ops_draw(monkeypatch: pytest.Mon
     ]
 
     def draw() -> list[list[int]]:
+        # the CPU runtime's sampler: the C kernel for the rows without masks
         rows_ = [row(p, seed=100 + i) for i, p in enumerate(params)]
-        return [Sampler()(logits.clone(), rows_) for _ in range(3)]
+        return [Sampler(plain_sample=kernels.sample)(logits.clone(), rows_) for _ in range(3)]
 
     calls: list[int] = []
     inner = kernels.sample
@@ -331,3 +332,10 @@ def test_engine_seeded_request_is_the_same_alone_and_in_a_busy_batch(
     # another seed or no seed on the same prompt: another stream
     assert outs[4].output_token_ids != alone
     assert busy_engine.kv.num_used_blocks == 0
+
+
+def test_the_cpu_runtime_gives_the_engines_sampler_its_kernel(engine: Engine) -> None:
+    """The engine's sampler takes the C kernel for plain rows because the CPU runtime gives it
+    (the sampler itself knows no device's kernels)."""
+    assert engine.runtime.plain_sample is kernels.sample
+    assert engine.runner.sampler.plain_sample is kernels.sample

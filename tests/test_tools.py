@@ -66,11 +66,11 @@ def test_profile_step_profiles_the_steps_of_a_tiny_run(capsys: pytest.CaptureFix
 
 
 def force_exact_head(head: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loader made to give models the exact LM head `head` ("Bf16Head" or "Int16Head"),
+    """The runtime made to give models the exact LM head `head` ("Bf16Head" or "Int16Head"),
     whichever this CPU's flags, build and tuning would choose; skipped where it cannot run."""
     from cbgen.cpu import tuning
     from cbgen.cpu.linear import bf16_matmul_supported
-    from cbgen.models import loader
+    from cbgen.runtime import cpu as cpu_runtime
 
     if kernels.load_library() is None:
         pytest.skip(kernels.native_status())
@@ -78,11 +78,11 @@ def force_exact_head(head: str, monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("no oneDNN bf16 matmul on this CPU (AVX-512 needed)")
     if head == "Int16Head" and not kernels.head_i16_available():
         pytest.skip("no int16 head in this build (x86-64 with AVX2)")
-    monkeypatch.setattr(loader, "bf16_matmul_fast", lambda: head == "Bf16Head")
-    tuned = tuning.apply()
+    monkeypatch.setattr(cpu_runtime, "bf16_matmul_fast", lambda: head == "Bf16Head")
+    tuned = tuning.for_this_machine()
     assert tuned is not None
     forced = dataclasses.replace(tuned, int16_head=head == "Int16Head")
-    monkeypatch.setattr(tuning, "applied", lambda: forced)
+    monkeypatch.setattr(tuning, "for_this_machine", lambda: forced)
 
 
 @pytest.mark.parametrize("head", ["Bf16Head", "Int16Head"])
@@ -150,8 +150,6 @@ def test_profile_step_alternates_two_paths(
             "--kv-cache-memory", str(1 << 20), flag,
         ]
     )  # fmt: skip
-    kernels.set_small_gemm_max_rows(None)
-    kernels.set_small_gemm_blocked_rows(None)
     out = capsys.readouterr().out
     # the prompts' step went to one of the two
     assert re.search(r"steps with prompt tokens [\d.]+ tokens/s \(1 steps, \d+ tokens\)", out), out

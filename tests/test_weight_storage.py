@@ -21,11 +21,12 @@ from test_run_cli import cli_env
 from test_run_cli import run as run_cli
 
 from cbgen.config import EngineConfig, SamplingParams
-from cbgen.cpu import linear as linear_mod
 from cbgen.engine import memory
 from cbgen.engine.engine import Engine
 from cbgen.engine.memory import cpu_model_bytes
 from cbgen.llm import LLM
+from cbgen.models import base as linear_mod
+from cbgen.models.base import TORCH_LINEAR
 
 NEW_TOKENS = 24
 
@@ -72,12 +73,12 @@ def test_upcast_linear_is_the_float32_matmul_on_the_upcast_weight(
     weight = torch.randn(20, 40, generator=gen).to(torch.bfloat16)
     bias = torch.randn(20, generator=gen)
     x = torch.randn(2, 5, 40, generator=gen)
-    out = linear_mod.linear(x, weight, bias, None, None)
+    out = TORCH_LINEAR.apply(x, weight, bias)
     assert out.dtype == torch.float32 and out.shape == (2, 5, 20)
     torch.testing.assert_close(out, F.linear(x, weight.float(), bias), rtol=1e-5, atol=1e-5)
     half = weight.to(torch.float16)
     torch.testing.assert_close(
-        linear_mod.linear(x, half, None, None, None),
+        TORCH_LINEAR.apply(x, half, None),
         F.linear(x, half.float()),
         rtol=1e-5,
         atol=1e-5,
@@ -101,9 +102,9 @@ def test_bf16_storage_gives_the_float32_tokens_on_the_upcast_weights(
     assert engine.weight_dtype == torch.bfloat16
     for name, p in model.named_parameters():  # matmul weights, experts, embedding, head
         assert p.dtype == (torch.bfloat16 if p.dim() >= 2 else torch.float32), name
-    assert model.lm_head_packed is None and not any(
-        getattr(m, "packed", None) is not None for m in model.modules()
-    )
+    # the weights stay in bf16, run by the reference method (no packed float32 copies)
+    assert model.head_method is TORCH_LINEAR
+    assert all(layer.method is TORCH_LINEAR for layer in model.linear_layers())
     assert "float32 (weights kept in bfloat16, upcast per matmul)" in engine.describe()
 
     reference = AutoModelForCausalLM.from_pretrained(

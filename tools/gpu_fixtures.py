@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
+from cbgen.models.base import CausalLM
 from cbgen.models.config import ModelConfig
-from cbgen.models.llama import CausalLM
 from cbgen.models.registry import build_model
 
 

@@ -43,9 +43,9 @@ class Recorder:
 def hidden_states(engine: Engine, head: ExactHead, need: int, max_tokens: int) -> torch.Tensor:
     """At least `need` final hidden states from greedy replies to the sample prompts (random
     token ids for a model without a tokenizer of its own vocabulary)."""
-    model = engine.runner.model
+    runtime = engine.runtime
     recorder = Recorder(head)
-    model.exact_head = recorder  # type: ignore[assignment]
+    runtime.exact_head = recorder  # type: ignore[assignment]
     try:
         rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
         chats = [r.get("messages") or [{"role": "user", "content": r["prompt"]}] for r in rows]
@@ -64,7 +64,7 @@ def hidden_states(engine: Engine, head: ExactHead, need: int, max_tokens: int) -
             while engine.has_unfinished_requests():
                 engine.step()
     finally:
-        model.exact_head = head
+        runtime.exact_head = head
     return torch.cat(recorder.rows)[:need]
 
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     model = engine.runner.model
-    head = model.exact_head
+    head = engine.runtime.exact_head
     if head is None:
         raise SystemExit(
             "this model and CPU have no exact LM head (the float32 head is all there is)"

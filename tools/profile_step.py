@@ -26,6 +26,7 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.cpu import kernels
 from cbgen.engine.engine import Engine
 from cbgen.engine.outputs import StepStats
+from cbgen.runtime.cpu import CpuRuntime
 
 
 class Profiler:
@@ -105,7 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--alternate-decoder",
         action="store_true",
-        help="steps alternate between the forward pass in one C call (cbgen.cpu.decoder) and the "
+        help="steps alternate between the forward pass in one C call (cbgen.runtime.cpu_decoder) and the "
         "Python one, two at a time; prints the full decode steps' median of each",
     )
     ap.add_argument(
@@ -168,34 +169,48 @@ def main(argv: list[str] | None = None) -> None:
     profiler = Profiler(kind, args.sort, args.rows) if kind else None
     window = range(args.profile_after, args.profile_after + args.profile_steps)
     steps: list[StepStats] = []
-    model = engine.runner.model
+    runtime = engine.runtime
     # (switch a path on or off, what the steps with it are called, what the others are)
     alternate: tuple[Callable[[bool], None], str, str] | None = None
     if args.alternate_head:
-        if model.exact_head is None:
+        if runtime.exact_head is None:
             raise SystemExit("--alternate-head: this model and CPU have no exact LM head")
         alternate = (
-            switch(model, "exact_head"),
-            type(model.exact_head).__name__,
+            switch(runtime, "exact_head"),
+            type(runtime.exact_head).__name__,
             "float32 head",
         )
     if args.alternate_decoder:
-        if model.native_decoder is None:
+        if not isinstance(runtime, CpuRuntime) or runtime.decoder is None:
             raise SystemExit("--alternate-decoder: this model and CPU have no native decoder")
-        alternate = (switch(model, "native_decoder"), "one C call", "Python forward")
+        alternate = (switch(runtime, "decoder"), "one C call", "Python forward")
     if args.alternate_matmul is not None:
+        if not isinstance(runtime, CpuRuntime):
+            raise SystemExit("--alternate-matmul: not on the CPU")
+        thresholds = runtime.thresholds
+
+        def set_max_rows(rows: int) -> None:
+            thresholds.small_gemm_max_rows = rows
+
         alternate = threshold(
             "--alternate-matmul",
-            kernels.small_gemm_max_rows(),
-            kernels.set_small_gemm_max_rows,
+            thresholds.small_gemm_max_rows,
+            set_max_rows,
             args.alternate_matmul,
             "small_gemm up to {} rows",
         )
     if args.alternate_blocked is not None:
+        if not isinstance(runtime, CpuRuntime):
+            raise SystemExit("--alternate-blocked: not on the CPU")
+        thresholds = runtime.thresholds
+
+        def set_blocked(rows: int) -> None:
+            thresholds.blocked_rows = rows
+
         alternate = threshold(
             "--alternate-blocked",
-            kernels.small_gemm_blocked_rows(),
-            kernels.set_small_gemm_blocked_rows,
+            thresholds.blocked_rows or kernels.build_small_gemm_blocked_rows(),
+            set_blocked,
             args.alternate_blocked,
             "row blocks from {} rows",
         )
@@ -263,12 +278,12 @@ def threshold(
     return set_it, label.format(tuned), label.format(other)
 
 
-def switch(model: object, attribute: str) -> Callable[[bool], None]:
-    """Sets model.attribute to its present value (on) or None (off)."""
-    value = getattr(model, attribute)
+def switch(holder: object, attribute: str) -> Callable[[bool], None]:
+    """Sets holder.attribute to its present value (on) or None (off)."""
+    value = getattr(holder, attribute)
 
     def set_it(on: bool) -> None:
-        setattr(model, attribute, value if on else None)
+        setattr(holder, attribute, value if on else None)
 
     return set_it
 

@@ -1,12 +1,13 @@
-"""The CPU speed layer: C kernels built for the machine they run on, and what the model and
-the engine call to use them. Every piece has a torch reference that it is tested against,
-and the engine falls back to that reference where a piece cannot run.
+"""The CPU kernel layer: C kernels built for the machine they run on, behind Python functions
+that take tensors (and packed buffers) and return tensors. It knows no model, attention backend
+or engine (tests/test_imports.py holds it): cbgen.runtime binds a model to these kernels, and
+the `cpu` attention backend (cbgen.attention) serves the paged attention with them. Every
+kernel has a torch reference it is tested against.
 
     features.py   what the CPU has (flags, caches), read once; decides the fast paths
     build.py      compile csrc/ once per compiler, target ISA, sources and flags; cache; status
-    kernels.py    the kernels' Python side (argument checks, ctypes calls)
-    linear.py     packed weights: small_gemm panels, oneDNN's layout, the bf16 LM head
-    ops.py        CpuOps: fused residual + RMSNorm, RoPE, SiLU x up (models.ops.Ops)
-
-The paged attention kernels are served by the `cpu` attention backend (cbgen.attention).
+    c_header.py   csrc/cbgen.h read back: the ctypes signatures checked against it
+    kernels.py    the kernels' Python side (argument checks, ctypes calls, packed panels)
+    linear.py     oneDNN's packed matmul, and the exact LM heads (bf16, int16 logits)
+    tuning.py     the row thresholds and the head measured once per build on this machine
 """

@@ -418,46 +418,25 @@ PANEL = 32
 """Output columns per packed panel of small_gemm (N must be a multiple)."""
 
 
-def small_gemm_max_rows() -> int:
+def build_small_gemm_max_rows() -> int:
     """Up to this many rows small_gemm beats oneDNN's packed matmul with the tiles of this
     machine's build (0 without the kernels); the build answers, since the tiles are chosen per
     ISA when it is compiled. With AVX-512 (16-row tiles, measured over a whole model's layers
     from cold caches: 1.6x at 1 row, 1.4x at 8, 1.1-1.2x at 29-512, even at 640, 2 % slower at
     1024) and with AVX2 (6-row tiles; in packed row blocks from 96 rows on par with oneDNN up
-    to 2,048): docs/PERFORMANCE.md. Decode batches and the mixed steps of chunked prefill take
-    small_gemm, and on AVX2 whole prompt chunks too; past this, oneDNN. The loader replaces the
-    build's default by what cbgen.cpu.tuning measured on this machine."""
-    return _build_max_rows() if _max_rows_measured is None else _max_rows_measured
-
-
-@functools.cache
-def _build_max_rows() -> int:
+    to 2,048): docs/PERFORMANCE.md. The build's default: the runtime uses what cbgen.cpu.tuning
+    measured on this machine where it could (cbgen.runtime.cpu.CpuThresholds)."""
     lib = load_library()
     return 0 if lib is None else int(lib.cbgen_small_gemm_max_rows())
 
 
-_max_rows_measured: int | None = None
-
-
-def set_small_gemm_max_rows(rows: int | None) -> None:
-    """Use `rows` as small_gemm_max_rows from now on (None: the build's default again)."""
-    global _max_rows_measured
-    _max_rows_measured = rows
-
-
-def small_gemm_blocked_rows() -> int:
-    """From this many rows on, small_gemm copies the rows in blocks that stay in L2 while the
-    weights stream past (0 without the kernels); fewer rows stream from where they are while
-    each weight panel sits in L2 and the next is prefetched. Both give the same bits."""
+def build_small_gemm_blocked_rows() -> int:
+    """From this many rows on, by this build's default, small_gemm copies the rows in blocks
+    that stay in L2 while the weights stream past (0 without the kernels); fewer rows stream
+    from where they are while each weight panel sits in L2 and the next is prefetched. Both
+    give the same bits. The runtime passes what the tuning measured (CpuThresholds)."""
     lib = load_library()
     return 0 if lib is None else int(lib.cbgen_small_gemm_blocked_rows())
-
-
-def set_small_gemm_blocked_rows(rows: int | None) -> None:
-    """Use the blocked path from `rows` rows on (None: the build's default again)."""
-    lib = load_library()
-    if lib is not None:
-        lib.cbgen_small_gemm_set_blocked_rows(rows or 0)
 
 
 HUGE_PAGE = 2 << 20
@@ -528,9 +507,12 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     return out.view(n // PANEL, k, PANEL)
 
 
-def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def small_gemm(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, blocked_from: int = 0
+) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias [N]) for W [N, K] packed by pack_panels into panels
-    [N / 32, K, 32] (all float32, M small: see small_gemm_max_rows)."""
+    [N / 32, K, 32] (all float32, M small: see build_small_gemm_max_rows); from blocked_from
+    rows on (0: the build's default) in row blocks, the same bits either way."""
     _check("panels", panels, torch.float32, ("P", "K", PANEL))
     _check_contiguous("panels", panels)
     p, k, _ = panels.shape
@@ -543,7 +525,14 @@ def small_gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None)
     y = torch.empty(m, n, dtype=torch.float32)
     b = None if bias is None else bias.contiguous()
     lib.cbgen_small_gemm_f32(
-        x.data_ptr(), m, k, panels.data_ptr(), n, None if b is None else b.data_ptr(), y.data_ptr()
+        x.data_ptr(),
+        m,
+        k,
+        panels.data_ptr(),
+        n,
+        None if b is None else b.data_ptr(),
+        blocked_from,
+        y.data_ptr(),
     )
     return y
 
@@ -552,12 +541,14 @@ GATED_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 """The activations small_gemm_gated applies: SiLU, GELU's tanh form (GeGLU)."""
 
 
-def small_gemm_gated(x: torch.Tensor, panels: torch.Tensor, activation: str) -> torch.Tensor | None:
+def small_gemm_gated(
+    x: torch.Tensor, panels: torch.Tensor, activation: str, blocked_from: int = 0
+) -> torch.Tensor | None:
     """act(x @ W_gate.T) * (x @ W_up.T) [M, I] for a gate-up weight [2I, K] packed by
     pack_panels (gate rows first), in one pass that never writes the gate-up product: the same
     bits as silu_mul / gelu_tanh_mul of small_gemm's result. None where it does not serve:
-    fewer rows than small_gemm_blocked_rows() (it runs the row blocks only), I not a multiple
-    of 32, or no memory for the blocks."""
+    fewer rows than blocked_from (0: the build's default; it runs the row blocks only), I not
+    a multiple of 32, or no memory for the blocks."""
     _check("panels", panels, torch.float32, ("P", "K", PANEL))
     _check_contiguous("panels", panels)
     p, k, _ = panels.shape
@@ -567,7 +558,7 @@ def small_gemm_gated(x: torch.Tensor, panels: torch.Tensor, activation: str) -> 
             f"activation: expected one of {sorted(GATED_ACTIVATIONS)}, got {activation!r}"
         )
     m, i = x.shape[0], p * PANEL // 2
-    if m < small_gemm_blocked_rows() or p % 2:
+    if m < (blocked_from if blocked_from > 0 else build_small_gemm_blocked_rows()) or p % 2:
         return None
     lib = _library()
     x = x.contiguous()

@@ -1,24 +1,11 @@
-"""Matmuls on the CPU in float32: each weight packed once, at load, into the layout of the
-kernel that serves a batch of its size, and an LM head from a bfloat16 copy (where the CPU has
-bf16 dot products) or an int16 copy (AVX2) that returns the float32 head's tokens.
-
-    rows <= small_gemm_max_rows() cbgen.cpu.kernels.small_gemm over 32-column panels (tuned
-                                  per machine; up to 2,048 rows where AVX2 is the ISA)
-    more rows                     oneDNN's packed matmul (torch.ops.mkldnn)
-    neither packed                torch's F.linear
-    weight stored in bf16/fp16    upcast_linear: float32 matmuls over the weight upcast a chunk
-                                  of rows at a time (a model whose float32 copy would not fit)
-"""
+"""CPU matmuls beside the C kernels: oneDNN's packed float32 matmul (a weight reordered once
+for it), whether bf16 matmuls are native here, and the exact LM heads: tokens of the float32
+head from a bfloat16 copy (where the CPU has bf16 dot products) or an int16 copy (AVX2).
+Which matmul serves which rows is the runtime's choice (cbgen.runtime.cpu_linear)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Any
-
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from cbgen.cpu import kernels
 from cbgen.cpu.features import kernel_cpu
@@ -166,90 +153,3 @@ class Int16Head(ExactHead):
             self.scratch,
         )
         return tokens
-
-
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: torch.Tensor | None,
-    panels: torch.Tensor | None,
-) -> torch.Tensor:
-    """x @ weight.T (+ bias) through the fastest copy of the weight there is for x's rows
-    (the packed copies exist on the CPU in float32 only; a weight stored in a half dtype is
-    upcast as it is used)."""
-    if weight.dtype != x.dtype:
-        return upcast_linear(x, weight, bias)
-    if panels is not None and x.dim() == 2 and x.shape[0] <= kernels.small_gemm_max_rows():
-        return kernels.small_gemm(x, panels, bias)
-    if packed is not None:
-        return packed_linear(x, packed, bias)
-    return F.linear(x, weight, bias)
-
-
-UPCAST_CHUNK_BYTES = 4 << 20
-"""The float32 scratch a half-precision weight is upcast into, a chunk of its rows at a time:
-small enough that the chunk is still in cache when the matmul reads it, large enough that the
-two calls per chunk cost little beside the matmul."""
-
-_scratch = threading.local()
-
-
-def _scratch_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A buffer of at least `numel` elements of `like`'s dtype and device, reused by every
-    upcast matmul of this thread (one matmul at a time uses it, so layers share it)."""
-    buffer: torch.Tensor | None = getattr(_scratch, "buffer", None)
-    if (
-        buffer is None
-        or buffer.numel() < numel
-        or (buffer.dtype, buffer.device) != (like.dtype, like.device)
-    ):
-        buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
-        _scratch.buffer = buffer
-    return buffer[:numel]
-
-
-def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias) in x's dtype for a weight stored in another (bf16 or fp16 on the
-    CPU, x float32): each chunk of weight rows is upcast exactly into a scratch buffer, then
-    multiplied, so the result is the float32 matmul on the upcast weight and the float32
-    copy never exists whole.
-
-        weight [N, K]  rows n0:n1 --upcast--> scratch [n1-n0, K] --x @ .T--> out[:, n0:n1]
-    """
-    rows = x.reshape(-1, x.shape[-1])
-    n, k = weight.shape
-    out = rows.new_empty(rows.shape[0], n)
-    chunk = max(1, UPCAST_CHUNK_BYTES // (k * x.element_size()))
-    scratch = _scratch_buffer(min(chunk, n) * k, rows)
-    for n0 in range(0, n, chunk):
-        n1 = min(n, n0 + chunk)
-        w = scratch[: (n1 - n0) * k].view(n1 - n0, k)
-        w.copy_(weight[n0:n1])
-        torch.mm(rows, w.t(), out=out[:, n0:n1])
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], n)
-
-
-def store_weights_in(model: nn.Module, dtype: torch.dtype) -> None:
-    """Give every weight of two or more dimensions (the matmul weights, stacked experts, the
-    embedding and LM head) fresh, unfilled storage of `dtype`; norms and biases keep theirs.
-    The matmuls upcast such weights as they use them (linear), and an embedding's rows come
-    out in the dtype its weight had before (a forward hook), so activations keep the model's
-    dtype. Called on a model built without initialisation, before its weights are loaded, so
-    that each weight is filled once, in `dtype`."""
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            module.register_forward_hook(_rows_in(module.weight.dtype))
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.dim() >= 2:
-                stored = torch.empty(param.shape, dtype=dtype, device=param.device)
-                setattr(module, name, nn.Parameter(stored, requires_grad=False))
-
-
-def _rows_in(dtype: torch.dtype) -> Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]:
-    def hook(module: nn.Module, args: Any, rows: torch.Tensor) -> torch.Tensor:
-        return rows.to(dtype)
-
-    return hook

@@ -88,8 +88,8 @@ class Tuning:
     int16_head: bool = False
     """The LM head takes int16 logits (linear.Int16Head) where the CPU has no bf16 dot products."""
     blocked_rows: int = 0
-    """small_gemm packs rows in blocks from this many on (kernels.small_gemm_blocked_rows);
-    0: the build's default."""
+    """small_gemm packs rows in blocks from this many on (0: the build's default,
+    kernels.build_small_gemm_blocked_rows)."""
 
     def describe(self) -> str:
         head = ", int16 LM head" if self.int16_head else ""
@@ -135,7 +135,7 @@ def _best_times(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
     return best
 
 
-def measure(reps: int = 5) -> tuple[list[float], list[float]] | None:
+def measure(reps: int = 5, blocked_from: int = 0) -> tuple[list[float], list[float]] | None:
     """Seconds per pass over WEIGHTS layer-sized weights (more than a last-level cache holds,
     so the weights stream from memory as a model's do) at each ROWS size, through small_gemm and
     through oneDNN's packed matmul, up to the first size where small_gemm loses; None when
@@ -155,7 +155,7 @@ def measure(reps: int = 5) -> tuple[list[float], list[float]] | None:
 
         def native_pass(x: torch.Tensor = x) -> None:
             for p in panels:
-                kernels.small_gemm(x, p, None)
+                kernels.small_gemm(x, p, None, blocked_from)
 
         def onednn_pass(x: torch.Tensor = x) -> None:
             for w in packed:
@@ -180,28 +180,23 @@ def measure_blocked(reps: int = 5) -> tuple[list[float], list[float]] | None:
     panels = [kernels.pack_panels(torch.randn(shape, generator=gen)) for shape in shapes]
     if any(p is None for p in panels):
         return None
-    before = kernels.small_gemm_blocked_rows()
     tiles, blocked = [], []
-    try:
-        for r in BLOCKED_TRIED:
-            xs = {k: torch.randn(r, k, generator=gen) for k in {k for _, k in shapes}}
+    for r in BLOCKED_TRIED:
+        xs = {k: torch.randn(r, k, generator=gen) for k in {k for _, k in shapes}}
 
-            def layers(blocked_from: int, xs: dict[int, torch.Tensor] = xs) -> None:
-                kernels.set_small_gemm_blocked_rows(blocked_from)
-                for (_, k), p in zip(shapes, panels, strict=True):
-                    kernels.small_gemm(xs[k], p, None)  # type: ignore[arg-type]
+        def layers(blocked_from: int, xs: dict[int, torch.Tensor] = xs) -> None:
+            for (_, k), p in zip(shapes, panels, strict=True):
+                kernels.small_gemm(xs[k], p, None, blocked_from)  # type: ignore[arg-type]
 
-            def tiles_pass(r: int = r) -> None:
-                layers(r + 1)
+        def tiles_pass(r: int = r) -> None:
+            layers(r + 1)
 
-            def blocked_pass() -> None:
-                layers(1)
+        def blocked_pass() -> None:
+            layers(1)
 
-            a, b = _best_times([tiles_pass, blocked_pass], reps)
-            tiles.append(a)
-            blocked.append(b)
-    finally:
-        kernels.set_small_gemm_blocked_rows(before)
+        a, b = _best_times([tiles_pass, blocked_pass], reps)
+        tiles.append(a)
+        blocked.append(b)
     return tiles, blocked
 
 
@@ -329,12 +324,7 @@ def tune(library: Path, default: int, int16_head: bool | None = None) -> Tuning:
         return Tuning(default, f"build default: machine busy ({load:.0%} of the CPUs)", head)
     blocked_s = measure_blocked()
     blocked = blocked_from(BLOCKED_TRIED, *blocked_s) if blocked_s else 0
-    before = kernels.small_gemm_blocked_rows()
-    try:
-        kernels.set_small_gemm_blocked_rows(blocked or None)  # what measure() then times
-        timings = measure()
-    finally:
-        kernels.set_small_gemm_blocked_rows(before)
+    timings = measure(blocked_from=blocked)  # small_gemm as it will run
     if timings is None:
         return Tuning(default, "build default: oneDNN packing unavailable", head)
     native_s, onednn_s = timings
@@ -347,15 +337,11 @@ def tune(library: Path, default: int, int16_head: bool | None = None) -> Tuning:
     return tuning
 
 
-_applied: list[Tuning] = []
-
-
-def apply() -> Tuning | None:
-    """Tune this process's kernels (once; None without them): the measured threshold goes to
-    kernels.small_gemm_max_rows, which every CPU linear layer asks; the loader reads the head's
-    choice from applied()."""
-    if _applied:
-        return _applied[0]
+def for_this_machine() -> Tuning | None:
+    """The tuning of this machine's kernel build (None without the kernels): read back from
+    beside the build, or measured now and kept there; the build's defaults under
+    CBGEN_CPU_TUNING=off. It sets nothing: the runtime holds the thresholds
+    (cbgen.runtime.cpu.CpuThresholds) and decides the head from it."""
     b = build.native_build()
     if b.library is None or b.path is None:
         return None
@@ -364,15 +350,5 @@ def apply() -> Tuning | None:
     if kernels.head_i16_available() and not bf16_matmul_fast():
         head = bool(b.library.cbgen_head_i16_preferred())
     if os.environ.get("CBGEN_CPU_TUNING", "").lower() in ("off", "0", "no", "false"):
-        tuning = Tuning(default, "build default: CBGEN_CPU_TUNING=off", bool(head))
-    else:
-        tuning = tune(b.path, default, head)
-    kernels.set_small_gemm_max_rows(tuning.small_gemm_max_rows)
-    kernels.set_small_gemm_blocked_rows(tuning.blocked_rows or None)
-    _applied.append(tuning)
-    return tuning
-
-
-def applied() -> Tuning | None:
-    """The tuning apply() put in place in this process, if it ran."""
-    return _applied[0] if _applied else None
+        return Tuning(default, "build default: CBGEN_CPU_TUNING=off", bool(head))
+    return tune(b.path, default, head)

@@ -18,9 +18,6 @@ import torch
 
 from cbgen.attention import get_attention_backend
 from cbgen.config import EngineConfig, SamplingParams
-from cbgen.cpu import tuning
-from cbgen.cpu.build import native_status
-from cbgen.cpu.features import cpu_info
 from cbgen.engine.cuda_graphs import capture_sizes, graph_memory_reserve, graphs_unavailable
 from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.logprobs import TokenLogprob, with_text
@@ -33,7 +30,7 @@ from cbgen.engine.scheduler import Scheduler, SchedulerOutput
 from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
 from cbgen.engine.structured import Grammars, GrammarState, reasoning_open
 from cbgen.metrics import RequestMetrics
-from cbgen.models.llama import CausalLM
+from cbgen.models.base import CausalLM
 from cbgen.models.loader import (
     load_model,
     load_model_config,
@@ -41,6 +38,7 @@ from cbgen.models.loader import (
     resolve_model,
     stored_weight_dtype,
 )
+from cbgen.runtime import Runtime, bind
 
 logger = logging.getLogger("cbgen")
 
@@ -84,8 +82,6 @@ class Engine:
         t0 = time.perf_counter()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or len(psutil.Process().cpu_affinity() or [0]))
         self.source = resolve_model(
             config.model, config.load_format, config.revision, config.download_dir
         )
@@ -112,6 +108,8 @@ class Engine:
         )
         self.tokenizer: Any
         self.model: CausalLM
+        self.runtime: Runtime
+        """The model bound to its device (cbgen.runtime): its kernels, forward, exact head."""
         self.weight_dtype = self.dtype
         """The weights' storage: the dtype, or on the CPU in float32 a half dtype that each
         matmul upcasts (cbgen.engine.memory.plan_cpu_weights)."""
@@ -125,6 +123,8 @@ class Engine:
                 raise ValueError("share_weights_with: the other engine has a shorter max_model_len")
             self.tokenizer, self.model = other.tokenizer, other.model
             self.weight_dtype = other.weight_dtype
+            self.runtime = other.runtime
+            self.runtime.use_threads(config.num_threads)
         else:
             if self.device.type == "cpu":
                 stored = stored_weight_dtype(self.source, config.load_format)
@@ -142,6 +142,7 @@ class Engine:
                 config.seed,
                 self.weight_dtype,
             )
+            self.runtime = bind(self.model, self.device, self.dtype, config.num_threads)
         self._bad_words_ids: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
         self._grammars: Grammars | None = None  # built when a request first has a constraint
         self.load_time_s = time.perf_counter() - t0
@@ -186,6 +187,7 @@ class Engine:
             self.device,
             self.dtype,
             config.max_num_batched_tokens,
+            runtime=self.runtime,
         )
         self.graphs_off = graphs_unavailable(self.device, self.backend.name, config.enforce_eager)
         """Why decode steps run eagerly (None: they replay CUDA graphs)."""
@@ -312,20 +314,10 @@ class Engine:
             f"tokens = {tokens} tokens ({self.num_blocks * self.kv_bytes_per_block / GiB:.2f} GiB), "
             f"room for {tokens // self.max_model_len}+ sequences at max_model_len {self.max_model_len}"
         ) + (
-            f"; {cpu_info().describe()}; {self._native_line()}; LM head {self._head_line()}"
-            f"; decode steps: {self._cpu_steps_line()}"
+            self.runtime.describe()
             if self.device.type == "cpu"
-            else f"; decode steps: {self._graphs_line()}"
+            else f"{self.runtime.describe()}; decode steps: {self._graphs_line()}"
         )
-
-    def _head_line(self) -> str:
-        head = self.model.exact_head
-        return "float32" if head is None else head.DESCRIPTION
-
-    def _cpu_steps_line(self) -> str:
-        if self.model.native_decoder is None:
-            return "layer by layer"
-        return "one C call each (where every matmul and attention kernel takes the step)"
 
     def _graphs_line(self) -> str:
         graphs = self.runner.graphs
@@ -338,11 +330,6 @@ class Engine:
             return ""
         name = str(self.weight_dtype).removeprefix("torch.")
         return f" (weights kept in {name}, upcast per matmul)"
-
-    @staticmethod
-    def _native_line() -> str:
-        tuned = tuning.applied()
-        return native_status() + ("" if tuned is None else f", {tuned.describe()}")
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

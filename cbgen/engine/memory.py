@@ -5,7 +5,7 @@ halfway through loading. (On CUDA the KV cache is sized by a profiling pass inst
 The CPU computes in float32 (dtype auto) with each matmul weight kept three times (the
 checkpoint's values and two packed copies). A checkpoint stored in bf16 or fp16 whose float32
 copy would not fit keeps its half-precision weights instead, upcast per layer as they are used
-(cbgen.cpu.linear.upcast_linear): the same float32 arithmetic on the same values, in a sixth
+(cbgen.models.base.upcast_linear): the same float32 arithmetic on the same values, in a sixth
 of the memory, at a speed cost. Only when even that does not fit is the model refused.
 """
 

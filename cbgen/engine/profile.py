@@ -25,7 +25,7 @@ import torch
 from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.sampler import Sampler, SamplingRow
-from cbgen.models.llama import CausalLM
+from cbgen.models.base import CausalLM
 
 logger = logging.getLogger("cbgen")
 

@@ -41,7 +41,8 @@ from cbgen.engine.sampler import (
 from cbgen.engine.scheduler import SchedulerOutput
 from cbgen.engine.step_inputs import StepBuffers, fill_padding
 from cbgen.engine.structured import GrammarState
-from cbgen.models.llama import CausalLM
+from cbgen.models.base import CausalLM
+from cbgen.runtime.base import Runtime
 
 
 @dataclass(frozen=True)
@@ -128,12 +129,15 @@ class ModelRunner:
         dtype: torch.dtype,
         max_num_batched_tokens: int | None = None,
         device_draws: bool | None = None,
+        runtime: Runtime | None = None,
     ) -> None:
         """max_num_batched_tokens: the most tokens a step holds (None: max_model_len).
         device_draws: sampled rows draw their uniform numbers on the device from (seed, draw
-        count) rather than from host generators (None: on CUDA; see Sampler)."""
+        count) rather than from host generators (None: on CUDA; see Sampler). runtime: the
+        model bound to its device (cbgen.runtime.bind; None: the model as it is)."""
         cfg = model.config
         self.model = model
+        self.runtime = Runtime(model) if runtime is None else runtime
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -176,7 +180,7 @@ class ModelRunner:
         self.prompt_scored: dict[str, int] = {}
         """Requests with prompt_logprobs: prompt tokens scored so far (the first counts: it
         has no logprob). Kept through preemption, so a recompute scores nothing twice."""
-        self.sampler = Sampler(self.device_draws)
+        self.sampler = Sampler(self.device_draws, self.runtime.plain_sample)
 
     # ---- request bookkeeping -----------------------------------------------------------
     def add_request(self, request_id: str, info: NewRequestInfo) -> None:
@@ -344,7 +348,7 @@ class ModelRunner:
             num_rows, num_rows, 0, 1, self.max_model_len, self.block_size
         )
         self.backend.prepare(meta)
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend), meta
+        return self.runtime.forward(input_ids, positions, self.kv_caches, meta, self.backend), meta
 
     def _decode_bucket(self, out: SchedulerOutput) -> int | None:
         """The bucket a decode-only step is padded to (None: not padded)."""
@@ -373,7 +377,9 @@ class ModelRunner:
             # the model skips what only other rows need, unless prompts are scored (every row)
             selected = not self.prompt_scored and len(logits_indices) < len(input_ids)
             wanted = logits_indices if selected else None
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, wanted)
+            hidden = self.runtime.forward(
+                input_ids, positions, self.kv_caches, meta, self.backend, wanted
+            )
         prompt_logprobs = self._score_prompts(out, hidden) if self.prompt_scored else {}
         sampling = [s for s in out.scheduled if s.will_sample]
         if not sampling:
@@ -425,7 +431,7 @@ class ModelRunner:
         others, and any row it hands back, through the float32 logits and the sampler. The path depends on the row alone, so a seeded request
         draws the same tokens whatever shares its batch. With device draws only plain greedy
         rows take the head (its sampled rows would draw on the host)."""
-        head = self.model.exact_head
+        head = self.runtime.exact_head
         tokens = [-1] * len(rows)
         logprobs: list[PositionLogprobs | None] = [None] * len(rows)
         if head is not None:

@@ -2,25 +2,24 @@
 bad_words, penalties, min_tokens, greedy, temperature / top-k / top-p / min-p.
 
 One call per step for the requests that sample from float32 logits (on the CPU, plain greedy
-and plain temperature rows take an exact LM head from bf16 or int16 logits instead,
-cbgen.cpu.linear.ExactHead, and come here only if it hands them back). Each random row draws one uniform number
-from its request's own generator and takes the token where the cumulative distribution passes
+and plain temperature rows take an exact LM head from bf16 or int16 logits instead, the
+runtime's exact_head, and come here only if it hands them back). Each random row draws one
+uniform number from its request's own generator and takes the token where the cumulative distribution passes
 it (inverse CDF), so a seeded request gives the same tokens alone or
-inside any batch, at the cost of one draw per row rather than one per vocabulary entry. On the
-CPU, rows without top-k / top-p / min-p take that rule in one C pass per row
-(cbgen.cpu.kernels.sample); the others, and other devices, take the torch ops.
+inside any batch, at the cost of one draw per row rather than one per vocabulary entry. Where the
+runtime has a one-pass kernel for it (the CPU: cbgen.cpu.kernels.sample), rows without top-k /
+top-p / min-p take that rule in one pass per row; the others take the torch ops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cbgen.config import SamplingParams
-from cbgen.cpu import kernels
 from cbgen.engine.logprobs import PositionLogprobs
 from cbgen.engine.structured import GrammarState, apply_grammar_masks
 
@@ -342,12 +341,20 @@ def position_logprobs(
 
 
 class Sampler:
-    def __init__(self, device_draws: bool = False) -> None:
+    def __init__(
+        self,
+        device_draws: bool = False,
+        plain_sample: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
+        | None = None,
+    ) -> None:
         """device_draws: each random row's uniform number comes from a counter-based generator
         on the logits' device (cbgen_kernels.uniform_draws of the row's seed and draw count)
         instead of its host generator: no per-step host draws or copies, and still the same
-        numbers alone or in any batch. The CUDA path; needs triton (or its interpreter)."""
+        numbers alone or in any batch. The CUDA path; needs triton (or its interpreter).
+        plain_sample: a one-pass kernel for the rows without top-k / top-p / min-p, (logits,
+        temperature, u) -> token ids or None (the CPU runtime's cbgen.cpu.kernels.sample)."""
         self.device_draws = device_draws
+        self.plain_sample = plain_sample
 
     def __call__(
         self,
@@ -409,15 +416,16 @@ class Sampler:
                     [torch.rand(1, generator=rows[i].generator, device="cpu") for i in random_rows]
                 ).to(dev)
             )
-            # a row without masks takes the C kernel on the CPU (the same rule, one pass per
-            # row); the choice depends on the row alone, so a seeded row draws the same tokens
-            # whatever shares its batch
+            # a row without masks takes the plain kernel where there is one (the same rule, one
+            # pass per row); the choice depends on the row alone, so a seeded row draws the
+            # same tokens whatever shares its batch
+            plain = self.plain_sample
             kernel = (
-                [j for j, p in enumerate(ps) if not _filters(p, vocab)] if dev.type == "cpu" else []
+                [] if plain is None else [j for j, p in enumerate(ps) if not _filters(p, vocab)]
             )
             picked = torch.empty(len(ps), dtype=torch.long, device=dev)
-            if kernel:
-                got = kernels.sample(*_rows(kernel, len(ps), sub, temp, u))
+            if kernel and plain is not None:
+                got = plain(*_rows(kernel, len(ps), sub, temp, u))
                 if got is None:  # no kernels, or a NaN / +inf logit: the torch ops decide
                     kernel = []
                 else:

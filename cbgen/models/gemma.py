@@ -20,9 +20,10 @@ from typing import cast
 import torch
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
-from cbgen.cpu.linear import ExactHead
+from cbgen.models.base import RMSNorm
 from cbgen.models.config import ModelConfig
-from cbgen.models.llama import MLP, CausalLM, DecoderLayer, RMSNorm, RotaryEmbedding
+from cbgen.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from cbgen.models.rope import RotaryEmbedding
 
 
 class GemmaMLP(MLP):
@@ -43,8 +44,8 @@ class GemmaDecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class GemmaForCausalLM(CausalLM):
-    """Gemma 2 / Gemma 3 text: CausalLM's weights, packing and LM head, Gemma's layers."""
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 / Gemma 3 text: Llama's weights and LM head, Gemma's layers."""
 
     layer_class = GemmaDecoderLayer
 
@@ -63,15 +64,11 @@ class GemmaForCausalLM(CausalLM):
     def gemma_layers(self) -> Sequence[GemmaDecoderLayer]:
         return cast(Sequence[GemmaDecoderLayer], self.layers)
 
-    @property  # type: ignore[override]
-    def exact_head(self) -> ExactHead | None:
+    @property
+    def exact_head_allowed(self) -> bool:
         """The exact head picks tokens from logits it never writes out, so it cannot soft-cap
         them (and a draw from capped logits differs): with final soft-capping there is none."""
-        return self._exact_head
-
-    @exact_head.setter
-    def exact_head(self, head: ExactHead | None) -> None:
-        self._exact_head = None if self.config.final_logit_softcap is not None else head
+        return self.config.final_logit_softcap is None
 
     def embed_scale(self, dtype: torch.dtype) -> float:
         """sqrt(hidden) as the reference multiplies by it: a float32 tensor cast to the

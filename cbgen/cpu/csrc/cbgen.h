@@ -50,11 +50,10 @@ int cbgen_write_kv_f32(const float *key, int64_t k_stride, const float *value, i
 /* small_gemm.c: matmuls of decode-sized batches over packed weight panels */
 void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp);
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
-                          const float *bias, float *y);
+                          const float *bias, int64_t blocked_from, float *y);
 int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t I,
                                int act, float *y);
 int64_t cbgen_small_gemm_max_rows(void);
-void cbgen_small_gemm_set_blocked_rows(int64_t rows);
 int64_t cbgen_small_gemm_blocked_rows(void);
 
 /* activation.c: the gated MLP's activation over a gate-up product */
@@ -102,6 +101,7 @@ typedef struct {
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, num_slots;
     int64_t gemma;             /* Gemma's layers: norms after each block, GeGLU */
+    int64_t blocked_rows;      /* small_gemm's row blocks from this many rows on (<= 0: default) */
     float eps, scale, softcap; /* softcap 0: none */
     const float *final_norm;   /* [H] */
     const cbgen_layer_f32 *layer;

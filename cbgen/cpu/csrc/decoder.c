@@ -33,11 +33,9 @@
  * matmul's tiles from small_gemm's row blocks on, else the product gu [T, 2I] and then the
  * activation pass (the same bits either way). */
 static void gated(const float *x, int64_t T, int64_t H, const float *gate_up, int64_t I, int gelu,
-                  float *gu, float *act) {
-    if (T >= cbgen_small_gemm_blocked_rows() &&
-        cbgen_small_gemm_gated_f32(x, T, H, gate_up, I, gelu, act) == 0)
-        return;
-    cbgen_small_gemm_f32(x, T, H, gate_up, 2 * I, 0, gu);
+                  int64_t blocked, float *gu, float *act) {
+    if (T >= blocked && cbgen_small_gemm_gated_f32(x, T, H, gate_up, I, gelu, act) == 0) return;
+    cbgen_small_gemm_f32(x, T, H, gate_up, 2 * I, 0, blocked, gu);
     if (gelu)
         cbgen_gelu_tanh_mul_f32(gu, T, I, act);
     else
@@ -60,12 +58,13 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
                               const int32_t *seq_lens, float *work, float *out) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->inter;
     const int64_t q = m->heads * D, kv = m->kv_heads * D, row = q + 2 * kv;
+    const int64_t blocked = m->blocked_rows > 0 ? m->blocked_rows : cbgen_small_gemm_blocked_rows();
     float *x = work, *h = x + T * H, *a = h + T * H, *qkv = a + T * H, *o = qkv + T * row,
           *gu = o + T * q, *act = gu + T * 2 * I;
     for (int64_t l = 0; l < m->layers; ++l) {
         const cbgen_layer_f32 *L = m->layer + l;
         cbgen_add_rmsnorm_f32(residual, l ? h : 0, L->input_norm, m->eps, T, H, x);
-        cbgen_small_gemm_f32(x, T, H, L->qkv, row, L->qkv_bias, qkv);
+        cbgen_small_gemm_f32(x, T, H, L->qkv, row, L->qkv_bias, blocked, qkv);
         if (L->q_norm) {
             cbgen_rmsnorm_heads_f32(qkv, row, T, m->heads, D, L->q_norm, m->eps);
             cbgen_rmsnorm_heads_f32(qkv + q, row, T, m->kv_heads, D, L->k_norm, m->eps);
@@ -79,17 +78,17 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
                                     m->scale, L->window, m->softcap, o);
         if (rc) return rc;
         if (m->gemma) {
-            cbgen_small_gemm_f32(o, T, q, L->o, H, 0, a);
+            cbgen_small_gemm_f32(o, T, q, L->o, H, 0, blocked, a);
             cbgen_add_rmsnorm_f32(a, 0, L->post_norm, m->eps, T, H, h);
             cbgen_add_rmsnorm_f32(residual, h, L->pre_ff_norm, m->eps, T, H, x);
-            gated(x, T, H, L->gate_up, I, 1, gu, act);
-            cbgen_small_gemm_f32(act, T, I, L->down, H, 0, a);
+            gated(x, T, H, L->gate_up, I, 1, blocked, gu, act);
+            cbgen_small_gemm_f32(act, T, I, L->down, H, 0, blocked, a);
             cbgen_add_rmsnorm_f32(a, 0, L->post_ff_norm, m->eps, T, H, h);
         } else {
-            cbgen_small_gemm_f32(o, T, q, L->o, H, 0, h);
+            cbgen_small_gemm_f32(o, T, q, L->o, H, 0, blocked, h);
             cbgen_add_rmsnorm_f32(residual, h, L->post_norm, m->eps, T, H, x);
-            gated(x, T, H, L->gate_up, I, 0, gu, act);
-            cbgen_small_gemm_f32(act, T, I, L->down, H, 0, h);
+            gated(x, T, H, L->gate_up, I, 0, blocked, gu, act);
+            cbgen_small_gemm_f32(act, T, I, L->down, H, 0, blocked, h);
         }
     }
     cbgen_add_rmsnorm_f32(residual, m->layers ? h : 0, m->final_norm, m->eps, T, H, out);

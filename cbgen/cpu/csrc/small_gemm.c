@@ -273,18 +273,17 @@ int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float
     return small_gemm_blocked(x, M, K, wp, I, 0, act ? 1 : 0, y);
 }
 
-/* From how many rows on the blocked path serves: the build's default until the tuning pass
- * sets what it measured (where the crossover falls depends on the caches and the memory). */
-static int64_t blocked_rows = BLOCKED_ROWS;
+/* From how many rows on the blocked path serves, by this build's default (the caller passes
+ * its own: where the crossover falls depends on the caches and the memory, which the tuning
+ * pass measures). */
+int64_t cbgen_small_gemm_blocked_rows(void) { return BLOCKED_ROWS; }
 
-void cbgen_small_gemm_set_blocked_rows(int64_t rows) { blocked_rows = rows > 0 ? rows : BLOCKED_ROWS; }
-
-int64_t cbgen_small_gemm_blocked_rows(void) { return blocked_rows; }
-
-/* x [M, K] and y [M, N] contiguous, N a multiple of 32, bias [N] or NULL. */
+/* x [M, K] and y [M, N] contiguous, N a multiple of 32, bias [N] or NULL; from blocked_from rows
+ * on (<= 0: the build's default) through the row blocks, the same bits either way. */
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
-                          const float *bias, float *y) {
-    if (M >= blocked_rows && small_gemm_blocked(x, M, K, wp, N, bias, PLAIN, y) == 0) return;
+                          const float *bias, int64_t blocked_from, float *y) {
+    if (blocked_from <= 0) blocked_from = BLOCKED_ROWS;
+    if (M >= blocked_from && small_gemm_blocked(x, M, K, wp, N, bias, PLAIN, y) == 0) return;
     const int64_t P = N / NR;
     /* tile t takes rows [m, m + rows): the rows left shared evenly by the tiles left */
     const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;

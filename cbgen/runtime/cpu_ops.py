@@ -1,7 +1,7 @@
 """The decoder's element-wise ops as C kernels (CPU, float32): residual add + RMSNorm in one
 pass, q/k norms and RoPE in place in the QKV rows (RoPE from the float32 tables), and SiLU x up
-(GELU x up for Gemma) in one pass over the gate-up projection, or (row blocks of small_gemm)
-applied to the gate-up matmul's tiles as they are computed. Each is tested against
+(GELU x up for Gemma) in one pass over the gate-up projection (or, where small_gemm serves the
+gate-up matmul, on its tiles: cbgen.runtime.cpu_linear.PackedF32Linear.apply_gated). Each is tested against
 cbgen.models.ops.TorchOps, the reference (tests/test_native.py): RoPE and the residual add bit for
 bit, the norms (sums in double) and the activations (vexp.h's exp) to a few ulp.
 """
@@ -47,14 +47,6 @@ class CpuOps:
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.gelu_tanh_mul(gate_up)
-
-    def gated_linear(self, x: torch.Tensor, gate_up: Any, activation: str) -> torch.Tensor | None:
-        panels = gate_up.panels
-        if panels is None or gate_up.bias is not None or x.dim() != 2 or x.dtype != panels.dtype:
-            return None
-        if x.shape[0] > kernels.small_gemm_max_rows():
-            return None  # oneDNN's rows: the gate-up product, then the activation
-        return kernels.small_gemm_gated(x, panels, activation)
 
 
 CPU_OPS = CpuOps()

@@ -1,16 +1,17 @@
 """A decode step's whole forward pass in one C call (cbgen/cpu/csrc/decoder.c), for Llama-type
 and Gemma models on the CPU in float32.
 
-With the cpu ops and the cpu attention backend, CausalLM.forward_layers makes ~9 kernel calls a
+With the cpu ops and the cpu attention backend, LlamaForCausalLM.forward_layers makes ~9 kernel calls a
 layer (~270 a step for SmolLM2's 30 layers); from Python each also pays its argument checks, a
 tensor allocation, a module call and ctypes, while the kernels' other thread waits. NativeDecoder
 makes the same calls, in the same order, on the same kinds of buffers, from C: the hidden
 states are bit for bit the Python path's (tests/test_native_decoder.py). It serves the steps
 whose every token the attention's C decode kernel takes (decodes, and prompt chunks small
-enough for it) and whose matmuls all go to small_gemm (kernels.small_gemm_max_rows); any
-other step, and a step a kernel refuses, runs the Python path.
+enough for it) and whose matmuls all go to small_gemm (the runtime's
+CpuThresholds.small_gemm_max_rows); any other step, and a step a kernel refuses, runs the Python
+path.
 
-Which models: the plain Llama layer (CausalLM with its MLP; Llama, Mistral, Qwen2 with its QKV
+Which models: the plain Llama layer (LlamaForCausalLM with its MLP; Llama, Mistral, Qwen2 with its QKV
 bias, Qwen3 with its q/k norms, SmolLM2, Phi-3 without partial rotary) and Gemma 2 / 3's (norms
 after each block, GeGLU, soft-capped scores, local RoPE tables), float32 weights with
 small_gemm panels. Not mixtures of experts or partial rotary: they keep the Python path.
@@ -20,18 +21,18 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
 from cbgen.attention.base import AttentionMetadata
 from cbgen.attention.cpu_backend import CpuPlan
 from cbgen.cpu import kernels
-from cbgen.cpu.ops import CPU_OPS
-
-if TYPE_CHECKING:
-    from cbgen.models.gemma import GemmaDecoderLayer, GemmaForCausalLM
-    from cbgen.models.llama import MLP, CausalLM
+from cbgen.models.base import CausalLM, Linear
+from cbgen.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
+from cbgen.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from cbgen.runtime.cpu_linear import CpuThresholds, PackedF32Linear
+from cbgen.runtime.cpu_ops import CpuOps
 
 _P = ctypes.c_void_p
 
@@ -80,6 +81,7 @@ class _Decoder(ctypes.Structure):
                 "block_size",
                 "num_slots",
                 "gemma",
+                "blocked_rows",
             )
         ),
         ("eps", ctypes.c_float),
@@ -93,9 +95,12 @@ class _Decoder(ctypes.Structure):
 class NativeDecoder:
     """model's decode forward in one C call; see the module docstring. Build with for_model."""
 
-    def __init__(self, model: CausalLM, gemma: bool = False) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, thresholds: CpuThresholds, gemma: bool = False
+    ) -> None:
         cfg = model.config
         self.model = model
+        self.thresholds = thresholds
         self.layers = list(model.decoder_layers)
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -115,17 +120,18 @@ class NativeDecoder:
         """Forward passes this decoder ran (a diagnostic: tests check it served)."""
 
     @classmethod
-    def for_model(cls, model: CausalLM) -> NativeDecoder | None:
+    def for_model(cls, model: CausalLM, thresholds: CpuThresholds) -> NativeDecoder | None:
         """The decoder for model, or None where it cannot serve: another kind of layer or MLP,
         other ops, a weight without small_gemm panels, partial rotary, or heads the attention
         kernel does not hold."""
-        from cbgen.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
-        from cbgen.models.llama import MLP, Attention, CausalLM, DecoderLayer
-
-        kinds = {CausalLM: (DecoderLayer, MLP), GemmaForCausalLM: (GemmaDecoderLayer, GemmaMLP)}
+        kinds: dict[type, tuple[type, type]] = {
+            LlamaForCausalLM: (DecoderLayer, MLP),
+            GemmaForCausalLM: (GemmaDecoderLayer, GemmaMLP),
+        }
         kind = kinds.get(type(model))
-        if kind is None or kernels.load_library() is None or model.ops is not CPU_OPS:
+        if kind is None or kernels.load_library() is None or not isinstance(model.ops, CpuOps):
             return None
+        assert isinstance(model, LlamaForCausalLM)
         cfg = model.config
         if model.embed_tokens.weight.dtype != torch.float32:
             return None
@@ -140,11 +146,11 @@ class NativeDecoder:
                 or type(layer.mlp) is not kind[1]
             ):
                 return None
-            attn, mlp = layer.self_attn, cast("MLP", layer.mlp)
+            attn, mlp = layer.self_attn, cast(MLP, layer.mlp)
             if (attn.scale, attn.logit_softcap) != (first.scale, first.logit_softcap):
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.panels is None or lin.weight.dtype != torch.float32 for lin in linears):
+            if any(_panels(lin) is None or lin.weight.dtype != torch.float32 for lin in linears):
                 return None
             if any(lin.bias is not None for lin in linears[1:]):
                 return None
@@ -167,10 +173,10 @@ class NativeDecoder:
         )
         if probe is None:
             return None
-        return cls(model, gemma=type(model) is GemmaForCausalLM)
+        return cls(model, thresholds, gemma=type(model) is GemmaForCausalLM)
 
     @staticmethod
-    def _rope_tables(model: CausalLM) -> list[Any]:
+    def _rope_tables(model: LlamaForCausalLM) -> list[Any]:
         """The RotaryEmbeddings the model's layers read: its own, and Gemma 3's local one."""
         local = getattr(model, "local_rope", None)
         return [model.rope] if local is None else [model.rope, local]
@@ -226,23 +232,23 @@ class NativeDecoder:
 
         array = (_Layer * len(self.layers))()
         for entry, layer, cache in zip(array, self.layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, cast("MLP", layer.mlp)
+            attn, mlp = layer.self_attn, cast(MLP, layer.mlp)
             entry.input_norm = ptr(layer.input_layernorm.weight)
             entry.post_norm = ptr(layer.post_attention_layernorm.weight)
-            entry.qkv = ptr(attn.qkv_proj.panels)
+            entry.qkv = ptr(_panels(attn.qkv_proj))
             entry.qkv_bias = ptr(attn.qkv_proj.bias)
             entry.q_norm = ptr(None if attn.q_norm is None else attn.q_norm.weight)
             entry.k_norm = ptr(None if attn.k_norm is None else attn.k_norm.weight)
-            entry.o = ptr(attn.o_proj.panels)
-            entry.gate_up = ptr(mlp.gate_up_proj.panels)
-            entry.down = ptr(mlp.down_proj.panels)
+            entry.o = ptr(_panels(attn.o_proj))
+            entry.gate_up = ptr(_panels(mlp.gate_up_proj))
+            entry.down = ptr(_panels(mlp.down_proj))
             entry.k_cache = ptr(cache[0])
             entry.v_cache = ptr(cache[1])
             # Gemma's sliding layers read the local tables where the model has them
             rope = tables[-1] if attn.sliding_window is not None else tables[0]
             entry.cos, entry.sin = ptr(rope.cos), ptr(rope.sin)
             if self.gemma:
-                gemma_layer = cast("GemmaDecoderLayer", layer)
+                gemma_layer = cast(GemmaDecoderLayer, layer)
                 entry.pre_ff_norm = ptr(gemma_layer.pre_feedforward_layernorm.weight)
                 entry.post_ff_norm = ptr(gemma_layer.post_feedforward_layernorm.weight)
             entry.window = attn.sliding_window or 0
@@ -256,6 +262,7 @@ class NativeDecoder:
             block_size=block_size,
             num_slots=first.shape[1] * block_size,
             gemma=int(self.gemma),
+            blocked_rows=self.thresholds.blocked_rows,
             eps=self.eps,
             scale=self.scale,
             softcap=self.softcap,
@@ -282,7 +289,7 @@ class NativeDecoder:
         if (
             not isinstance(plan, CpuPlan)
             or t == 0
-            or t > kernels.small_gemm_max_rows()
+            or t > self.thresholds.small_gemm_max_rows
             or plan.native.tokens.shape[0] != t  # then token i is the kernel's row i
             or positions.dtype != torch.int64
             or meta.slot_mapping.dtype != torch.int64
@@ -294,12 +301,13 @@ class NativeDecoder:
         assert struct is not None and self.lib is not None
         if struct.block_size != meta.block_size:
             return None
+        struct.blocked_rows = self.thresholds.blocked_rows  # the runtime's, as it is now
         need = self.lib.cbgen_decoder_work_f32(ctypes.byref(struct), t)
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
         residual = self.model.embed_tokens(input_ids)
         if self.gemma:
-            residual = residual * cast("GemmaForCausalLM", self.model).embed_scale(residual.dtype)
+            residual = residual * cast(GemmaForCausalLM, self.model).embed_scale(residual.dtype)
         residual = residual.contiguous()
         out = torch.empty_like(residual)
         blocks, seq_lens = plan.native.blocks.contiguous(), plan.native.seq_lens.contiguous()
@@ -320,3 +328,9 @@ class NativeDecoder:
             return None
         self.calls += 1
         return out
+
+
+def _panels(linear: Linear) -> torch.Tensor | None:
+    """small_gemm's panels of a layer whose method holds them."""
+    method = linear.method
+    return method.panels if isinstance(method, PackedF32Linear) else None

@@ -1,0 +1,80 @@
+"""The CPU's float32 linear method: the weight packed once, when the runtime binds the model,
+into the layout of the kernel that serves a batch of its size.
+
+    rows <= thresholds.small_gemm_max_rows   cbgen.cpu.kernels.small_gemm over 32-column panels
+                                             (tuned per machine; up to 2,048 rows with AVX2)
+    more rows                                oneDNN's packed matmul (torch.ops.mkldnn)
+    neither copy                             torch's F.linear
+
+A gated MLP's gate-up projection may also apply its activation to small_gemm's tiles as they
+are computed (apply_gated): the [T, 2I] product is never written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cbgen.cpu import kernels
+from cbgen.cpu.linear import pack_weight, packed_linear
+
+
+@dataclass
+class CpuThresholds:
+    """Row counts that decide which kernel serves a matmul, for one runtime (the build's
+    defaults, or what cbgen.cpu.tuning measured on this machine)."""
+
+    small_gemm_max_rows: int
+    """Up to this many rows small_gemm beats oneDNN's packed matmul (0: never)."""
+    blocked_rows: int = 0
+    """From this many rows on small_gemm packs the rows in blocks that stay in L2 (0: the
+    build's default); the same bits either way."""
+
+
+class PackedF32Linear:
+    """A float32 weight as small_gemm's panels and/or oneDNN's packed layout (a method per
+    layer: it holds that layer's packed copies)."""
+
+    name = "cpu-f32"
+
+    def __init__(
+        self, packed: torch.Tensor | None, panels: torch.Tensor | None, thresholds: CpuThresholds
+    ) -> None:
+        self.packed = packed
+        self.panels = panels
+        """small_gemm's panels [N / 32, K, 32] (None: not packed so, e.g. N not a multiple)."""
+        self.thresholds = thresholds
+
+    @classmethod
+    def pack(
+        cls, weight: torch.Tensor, onednn: bool, panels: bool, thresholds: CpuThresholds
+    ) -> PackedF32Linear:
+        return cls(
+            pack_weight(weight) if onednn else None,
+            kernels.pack_panels(weight) if panels else None,
+            thresholds,
+        )
+
+    def apply(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        panels = self.panels
+        if (
+            panels is not None
+            and x.dim() == 2
+            and x.shape[0] <= self.thresholds.small_gemm_max_rows
+        ):
+            return kernels.small_gemm(x, panels, bias, self.thresholds.blocked_rows)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, weight, bias)
+
+    def apply_gated(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        panels = self.panels
+        if panels is None or x.dim() != 2 or x.dtype != panels.dtype:
+            return None
+        if x.shape[0] > self.thresholds.small_gemm_max_rows:
+            return None  # oneDNN's rows: the gate-up product, then the activation
+        return kernels.small_gemm_gated(x, panels, activation, self.thresholds.blocked_rows)
