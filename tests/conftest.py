@@ -315,11 +315,11 @@ def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(params=["native", "avx2"])
 def each_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """A kernel test runs against the default build and against the AVX2 one."""
-    from cbgen.cpu import kernels
+    from cbgen.cpu import build as cpu_build
 
     if request.param == "avx2":
         lib = request.getfixturevalue("avx2_build").library
-        monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): lib)
+        monkeypatch.setattr(cpu_build, "load_library", lambda extra_flags=(): lib)
     return str(request.param)
 
 

@@ -354,19 +354,19 @@ def _run_backend(be: AttentionBackend, dtype: torch.dtype) -> tuple[torch.Tensor
     return out, cache
 
 
-@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("with_kernels", [True, False])
 def test_cpu_backend_matches_the_torch_reference(
-    kernels: bool, monkeypatch: pytest.MonkeyPatch
+    with_kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A decode, a chunk after cached context and a fresh prompt: float32 through the C kernels
     (or, without them, the torch path, to the bit); bfloat16, which the kernels do not take,
     through the torch path either way."""
     from cbgen.attention.cpu_backend import CpuAttentionBackend
-    from cbgen.cpu import kernels
+    from cbgen.cpu import build, kernels
 
-    if not kernels:
-        monkeypatch.setattr(kernels, "load_library", lambda: None)
-    elif kernels.load_library() is None:
+    if not with_kernels:
+        monkeypatch.setattr(build, "load_library", lambda: None)
+    elif build.load_library() is None:
         pytest.skip("no C compiler: no kernels")
     answered = []
     decode = kernels.paged_decode_f32
@@ -378,7 +378,7 @@ def test_cpu_backend_matches_the_torch_reference(
         answered.clear()
         got, got_cache = _run_backend(CpuAttentionBackend(), dtype)
         assert torch.equal(got_cache, want_cache)
-        if kernels and dtype == torch.float32:
+        if with_kernels and dtype == torch.float32:
             # every token (the small chunks too) in one call of the decode kernel
             assert (
                 len(answered) == 1 and answered[0] is not None and answered[0].shape == (10, 8, 32)

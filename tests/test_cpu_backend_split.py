@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from cbgen.attention import cpu_backend, torch_backend
-from cbgen.cpu import kernels
+from cbgen.cpu import build, kernels, thresholds
 
-pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
+pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
 
 
 def test_rows_read_counts_each_querys_visible_keys() -> None:
@@ -41,7 +41,7 @@ def test_a_windowed_layer_sends_a_long_chunk_to_the_decode_kernel(
     """A 100-token chunk after 200 cached tokens reads ~25k rows in all but only 1,600 under a
     window of 16: with a 4,096-row split, full layers send it to the prefill kernel and
     windowed ones to the decode kernel, both matching the torch reference."""
-    monkeypatch.setattr(kernels, "prefill_split", lambda: (4096, True))
+    monkeypatch.setattr(thresholds, "prefill_split", lambda: (4096, True))
     prefill_calls: list[int] = []
     inner = kernels.prefill_attention_f32
 

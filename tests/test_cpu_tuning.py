@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cbgen.cpu import build, kernels, tuning
+from cbgen.cpu import build, head_kernels, thresholds, tuning
 from cbgen.cpu.linear import onednn_packing_available
 from cbgen.engine.engine import Engine
 from cbgen.runtime.cpu import CpuRuntime
@@ -111,7 +111,7 @@ def test_tune_times_the_int16_head_where_it_is_a_choice(
 
 @no_kernels
 @pytest.mark.skipif(
-    build.load_library() is not None and not kernels.head_i16_available(),
+    build.load_library() is not None and not head_kernels.head_i16_available(),
     reason="no int16 head in this build (x86-64 with AVX2)",
 )
 def test_measure_head_times_both_heads() -> None:
@@ -175,7 +175,7 @@ def test_the_runtime_holds_the_tuned_thresholds_and_the_start_up_line_names_them
     other = Engine(model=str(tiny_model_dir("llama")), device="cpu", kv_cache_memory=1 << 20)
     assert isinstance(other.runtime, CpuRuntime)
     default = CpuThresholds(
-        kernels.build_small_gemm_max_rows(), kernels.build_small_gemm_blocked_rows()
+        thresholds.build_small_gemm_max_rows(), thresholds.build_small_gemm_blocked_rows()
     )
     assert other.runtime.thresholds == default and runtime.thresholds == CpuThresholds(48, 24)
 

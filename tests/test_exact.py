@@ -146,10 +146,10 @@ def test_smollm2_long_prompts_through_the_prefill_kernel_match_transformers(
 ) -> None:
     """Prompts long enough for the C prefill kernel (whole, and in chunks after cached
     context), greedy, against transformers."""
-    from cbgen.cpu import kernels
+    from cbgen.cpu import build, kernels, thresholds
 
-    if kernels.load_library() is None:
-        pytest.skip(f"no prefill kernel: {kernels.native_status()}")
+    if build.load_library() is None:
+        pytest.skip(f"no prefill kernel: {build.native_status()}")
     calls = {"with context": 0, "without": 0}
     kernel = kernels.prefill_attention_f32
 
@@ -159,7 +159,7 @@ def test_smollm2_long_prompts_through_the_prefill_kernel_match_transformers(
 
     monkeypatch.setattr(kernels, "prefill_attention_f32", counting)
     # every long chunk to the kernel, whatever this build's threshold
-    monkeypatch.setattr(kernels, "prefill_split", lambda: (8192, True))
+    monkeypatch.setattr(thresholds, "prefill_split", lambda: (8192, True))
     engine = smollm2_engine
     prompts = [
         engine.tokenize(LONG_TEXT + "In the logbook, Hale wrote that"),

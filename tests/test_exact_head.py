@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from cbgen.cpu import kernels
+from cbgen.cpu import build, head_kernels
 from cbgen.cpu.linear import Bf16Head, ExactHead, Int16Head, bf16_matmul_supported
 
-pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
+pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
 
 HEADS = [
     pytest.param(
@@ -26,7 +26,7 @@ HEADS = [
     pytest.param(
         Int16Head,
         marks=pytest.mark.skipif(
-            kernels.load_library() is not None and not kernels.head_i16_available(),
+            build.load_library() is not None and not head_kernels.head_i16_available(),
             reason="no int16 head in this build (x86-64 with AVX2)",
         ),
         id="int16",
@@ -232,7 +232,7 @@ def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
 # ---- the int16 head's own: its integers never overflow, its packing pads ------------------
 
 needs_int16 = pytest.mark.skipif(  # without the kernels, the module's mark says why
-    kernels.load_library() is not None and not kernels.head_i16_available(),
+    build.load_library() is not None and not head_kernels.head_i16_available(),
     reason="no int16 head in this build (x86-64 with AVX2)",
 )
 
@@ -284,14 +284,14 @@ def test_int16_head_refuses_inputs_that_do_not_match_its_packing() -> None:
     head = Int16Head(weight)
     q, scale, wres, levels = head.packed
     args = (head.weight, head.padded_norms, head.bound, torch.zeros(3), torch.zeros(3), 1)
-    scratch = torch.empty(kernels.head_i16_scratch(3, 40))
+    scratch = torch.empty(head_kernels.head_i16_scratch(3, 40))
     with pytest.raises(ValueError, match="levels"):
-        kernels.head_i16(hidden, (q, scale, wres, levels * 2 + 1), *args, scratch)
+        head_kernels.head_i16(hidden, (q, scale, wres, levels * 2 + 1), *args, scratch)
     with pytest.raises(ValueError, match="not the packing"):
-        kernels.head_i16(hidden, Int16Head(torch.randn(60, 24)).packed, *args, scratch)
+        head_kernels.head_i16(hidden, Int16Head(torch.randn(60, 24)).packed, *args, scratch)
     with pytest.raises(ValueError, match="scratch"):
-        kernels.head_i16(hidden, head.packed, *args, scratch[:10])
-    got, _ = kernels.head_i16(hidden, head.packed, *args, scratch)
+        head_kernels.head_i16(hidden, head.packed, *args, scratch[:10])
+    got, _ = head_kernels.head_i16(hidden, head.packed, *args, scratch)
     assert torch.equal(got, exact_argmax(hidden, weight))
 
 
@@ -308,7 +308,7 @@ def test_int16_residual_norms_bound_the_rounding() -> None:
     """r_v, the bound's weight term, is at least the real |s_v q_v - w_v| and not far above it."""
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(100, 50, generator=gen) * torch.logspace(-3, 2, 100)[:, None]
-    q, scale, wres, levels = kernels.head_i16_pack(weight)
+    q, scale, wres, levels = head_kernels.head_i16_pack(weight)
     ints = q.permute(0, 2, 1, 3).reshape(-1, q.shape[1] * 2)[:100, :50].double()
     assert float(ints.abs().max()) == levels
     residual = (ints * scale[:100, None].double() - weight.double()).norm(dim=1)

@@ -13,12 +13,12 @@ import pytest
 from conftest import tiny_engine
 
 from cbgen.config import SamplingParams
-from cbgen.cpu import kernels
+from cbgen.cpu import build, gemm
 from cbgen.llm import LLM
 from cbgen.runtime.cpu import CpuRuntime
 from cbgen.runtime.cpu_linear import PackedF32Linear
 
-pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
+pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
 
 PROMPTS = [list(range(30, 150)), [7, 9] * 60, list(range(200, 300))]
 
@@ -50,7 +50,7 @@ def test_prompt_steps_take_the_one_pass_mlp_with_the_same_tokens(
     """The prompt steps take the one-pass MLP, with the tokens of small_gemm then the
     activation."""
     served: list[int] = []
-    inner = kernels.small_gemm_gated
+    inner = gemm.small_gemm_gated
 
     def counted(x: Any, panels: Any, activation: str, blocked_from: int = 0) -> Any:
         got = inner(x, panels, activation, blocked_from)
@@ -58,7 +58,7 @@ def test_prompt_steps_take_the_one_pass_mlp_with_the_same_tokens(
             served.append(x.shape[0])
         return got
 
-    monkeypatch.setattr(kernels, "small_gemm_gated", counted)
+    monkeypatch.setattr(gemm, "small_gemm_gated", counted)
     engine = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=STEP_ROWS)
     got = _tokens(engine)
     assert served and min(served) >= BLOCKS_FROM and max(served) <= STEP_ROWS

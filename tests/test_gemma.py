@@ -17,7 +17,8 @@ import torch
 from conftest import TINY_CONFIGS, save_random
 
 from cbgen.config import AttentionBackendName, EngineConfig, SamplingParams
-from cbgen.cpu.kernels import fused_ops_available, native_status
+from cbgen.cpu.build import native_status
+from cbgen.cpu.kernels import fused_ops_available
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
 from cbgen.models.config import ModelConfig

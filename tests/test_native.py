@@ -17,14 +17,16 @@ import torch
 
 from cbgen.attention import cpu_backend, torch_backend
 from cbgen.cpu import build as cpu_build
-from cbgen.cpu import kernels
+from cbgen.cpu import gemm, head_kernels, kernels
+from cbgen.cpu import thresholds as cpu_thresholds
+from cbgen.cpu.arena import HUGE_PAGE, HugePageArena
 from cbgen.cpu.features import ISA_SETTING, CpuInfo, cpu_info
 from cbgen.models.base import RMSNorm
 from cbgen.models.ops import TORCH_OPS
 from cbgen.runtime.cpu_linear import PackedF32Linear
 from cbgen.runtime.cpu_ops import CPU_OPS, CpuOps
 
-pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
+pytestmark = pytest.mark.skipif(cpu_build.load_library() is None, reason=cpu_build.native_status())
 
 
 @pytest.mark.usefixtures("each_build")
@@ -335,7 +337,7 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path(
     C prefill kernel, or SDPA where a build prefers it, with and without cached context) in one
     flat batch, against the torch reference (SDPA); the large chunks also against a float64
     softmax written out."""
-    monkeypatch.setattr(kernels, "prefill_split", lambda: (8192, prefill_kernel))
+    monkeypatch.setattr(cpu_thresholds, "prefill_split", lambda: (8192, prefill_kernel))
     calls = []
     inner = kernels.prefill_attention_f32
     monkeypatch.setattr(
@@ -347,7 +349,7 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path(
     # (query_len, seq_len): decode, small first chunk, small chunk after context, big chunk
     # after context, big first chunk, decode
     shape = [(1, 40), (12, 12), (9, 70), (150, 230), (140, 140), (1, 3)]
-    assert 140 * (140 - 70) > kernels.prefill_split()[0] > 9 * (70 - 4.5)
+    assert 140 * (140 - 70) > cpu_thresholds.prefill_split()[0] > 9 * (70 - 4.5)
     qsl = torch.tensor([0] + [q for q, _ in shape], dtype=torch.int32).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([s for _, s in shape], dtype=torch.int32)
     block_table = torch.randperm(num_blocks)[: 6 * 15].view(6, 15).int()
@@ -471,17 +473,17 @@ def test_kv_write_matches_index_copy_from_strided_views() -> None:
 def test_small_gemm_matches_matmul_and_a_row_never_depends_on_the_batch(n: int, k: int) -> None:
     torch.manual_seed(6)
     weight, bias = torch.randn(n, k), torch.randn(n)
-    panels = kernels.pack_panels(weight)
+    panels = gemm.pack_panels(weight)
     assert panels is not None
     x = torch.randn(130, k)
     # every register-tile height (up to 16 rows with AVX-512, 6 with AVX2), and splits into tiles
     for m in (*range(1, 18), 29, 41, 64, 130):
-        got = kernels.small_gemm(x[:m], panels, None)
+        got = gemm.small_gemm(x[:m], panels, None)
         torch.testing.assert_close(got, x[:m] @ weight.T, rtol=1e-5, atol=1e-4)
-        with_bias = kernels.small_gemm(x[:m], panels, bias)
+        with_bias = gemm.small_gemm(x[:m], panels, bias)
         torch.testing.assert_close(with_bias, x[:m] @ weight.T + bias, rtol=1e-5, atol=1e-4)
-    alone = torch.cat([kernels.small_gemm(x[i : i + 1], panels, bias) for i in range(29)])
-    assert torch.equal(kernels.small_gemm(x[:29], panels, bias), alone)
+    alone = torch.cat([gemm.small_gemm(x[i : i + 1], panels, bias) for i in range(29)])
+    assert torch.equal(gemm.small_gemm(x[:29], panels, bias), alone)
 
 
 @pytest.mark.usefixtures("each_build")
@@ -493,19 +495,19 @@ def test_small_gemm_tall_batches_give_every_row_the_bits_it_gets_alone(n: int, k
     batch of one, blocks and tiles cut anywhere (a last tile of one row, of a full tile)."""
     torch.manual_seed(7)
     weight, bias = torch.randn(n, k), torch.randn(n)
-    panels = kernels.pack_panels(weight)
+    panels = gemm.pack_panels(weight)
     assert panels is not None
     x = torch.randn(530, k)
-    alone = torch.cat([kernels.small_gemm(x[i : i + 1], panels, bias) for i in range(530)])
+    alone = torch.cat([gemm.small_gemm(x[i : i + 1], panels, bias) for i in range(530)])
     for m in (95, 96, 97, 101, 255, 256, 257, 263, 530):
-        got = kernels.small_gemm(x[:m], panels, bias)
+        got = gemm.small_gemm(x[:m], panels, bias)
         assert torch.equal(got, alone[:m]), m
     # the tuning pass may start the blocks at any decode size: the same bits there too
     for m in (1, 5, 6, 7, 16, 17, 64):
-        assert torch.equal(kernels.small_gemm(x[:m], panels, bias, blocked_from=1), alone[:m]), m
+        assert torch.equal(gemm.small_gemm(x[:m], panels, bias, blocked_from=1), alone[:m]), m
     torch.testing.assert_close(alone, x @ weight.T + bias, rtol=1e-5, atol=1e-4)
     # rows past the batch are never written: the output is exactly [M, N]
-    assert kernels.small_gemm(x[:97], panels, None).shape == (97, n)
+    assert gemm.small_gemm(x[:97], panels, None).shape == (97, n)
 
 
 @pytest.mark.usefixtures("each_build")
@@ -521,28 +523,28 @@ def test_the_gated_matmul_gives_the_bits_of_the_matmul_then_the_activation(
     torch.manual_seed(12)
     inter, k = 64, 577
     weight = torch.randn(2 * inter, k) * 0.2
-    panels = kernels.pack_panels(weight)
+    panels = gemm.pack_panels(weight)
     assert panels is not None
     x = torch.randn(400, k)
-    blocked = kernels.build_small_gemm_blocked_rows()
+    blocked = cpu_thresholds.build_small_gemm_blocked_rows()
     for m in (blocked, blocked + 1, blocked + 7, 400):
         if m > 400:
             continue
-        got = kernels.small_gemm_gated(x[:m], panels, activation)
-        want = getattr(kernels, separate)(kernels.small_gemm(x[:m], panels, None))
+        got = gemm.small_gemm_gated(x[:m], panels, activation)
+        want = getattr(kernels, separate)(gemm.small_gemm(x[:m], panels, None))
         assert got is not None and torch.equal(got, want), m
-    assert kernels.small_gemm_gated(x[: blocked - 1], panels, activation) is None
+    assert gemm.small_gemm_gated(x[: blocked - 1], panels, activation) is None
     for m in (1, 5, 6, 7):
-        got = kernels.small_gemm_gated(x[:m], panels, activation, blocked_from=1)
-        want = getattr(kernels, separate)(kernels.small_gemm(x[:m], panels, None))
+        got = gemm.small_gemm_gated(x[:m], panels, activation, blocked_from=1)
+        want = getattr(kernels, separate)(gemm.small_gemm(x[:m], panels, None))
         assert got is not None and torch.equal(got, want), m
     with pytest.raises(ValueError, match="activation: expected one of"):
-        kernels.small_gemm_gated(x, panels, "relu")
+        gemm.small_gemm_gated(x, panels, "relu")
 
 
 def test_small_gemm_needs_whole_panels() -> None:
-    assert kernels.pack_panels(torch.randn(100, 64)) is None
-    assert kernels.pack_panels(torch.randn(96, 64).double()) is None
+    assert gemm.pack_panels(torch.randn(100, 64)) is None
+    assert gemm.pack_panels(torch.randn(96, 64).double()) is None
 
 
 def _thp_mode() -> str | None:
@@ -572,7 +574,7 @@ def _thp_eligible(address: int) -> bool | None:
 
 
 def test_huge_page_arena_hands_out_disjoint_aligned_buffers() -> None:
-    arena = kernels.HugePageArena(chunk_bytes=kernels.HUGE_PAGE)
+    arena = HugePageArena(chunk_bytes=HUGE_PAGE)
     # a chunk holds 524,288 floats: the fourth buffer starts a new chunk, the fifth needs one
     # larger than chunk_bytes, the sixth finds it full
     sizes = [5, 100_000, 300_000, 200_000, 1 << 20, 7]
@@ -585,18 +587,18 @@ def test_huge_page_arena_hands_out_disjoint_aligned_buffers() -> None:
         assert torch.equal(b, torch.full_like(b, float(i)))  # nothing overwrote anything
     if arena.huge:
         for first_of_chunk in (0, 3, 4, 5):  # a chunk starts on a huge page
-            assert bufs[first_of_chunk].data_ptr() % kernels.HUGE_PAGE == 0
+            assert bufs[first_of_chunk].data_ptr() % HUGE_PAGE == 0
         assert bufs[1].data_ptr() - bufs[0].data_ptr() == 64  # 5 floats, rounded to a cache line
         if _thp_mode() in ("always", "madvise"):
             assert all(_thp_eligible(b.data_ptr()) for b in bufs)
-    plain = kernels.HugePageArena()
+    plain = HugePageArena()
     plain.huge = False  # no MADV_HUGEPAGE on this OS: ordinary tensors
     assert plain.empty(10).shape == (10,)
 
 
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
 def test_packed_panels_live_in_memory_advised_for_huge_pages() -> None:
-    panels = kernels.pack_panels(torch.randn(96, 64))
+    panels = gemm.pack_panels(torch.randn(96, 64))
     assert panels is not None
     assert _thp_eligible(panels.data_ptr())
     plain = torch.empty(1 << 20)  # the control: torch's own allocation is not advised
@@ -615,19 +617,19 @@ def test_the_cpu_linear_method_takes_the_panels_for_small_batches_only(
 
     torch.manual_seed(7)
     layer = Linear(64, 96, bias=True)
-    most = kernels.build_small_gemm_max_rows()
+    most = cpu_thresholds.build_small_gemm_max_rows()
     assert most >= 64  # every decode batch of a default run
     thresholds = CpuThresholds(most, blocked_rows=5)
     onednn = onednn_packing_available()
     layer.method = PackedF32Linear.pack(layer.weight.data, onednn, True, thresholds)
     calls = []
-    inner = kernels.small_gemm
+    inner = gemm.small_gemm
 
     def counted(*a: Any) -> torch.Tensor:
         calls.append((a[0].shape[0], a[3]))
         return inner(*a)
 
-    monkeypatch.setattr(kernels, "small_gemm", counted)
+    monkeypatch.setattr(gemm, "small_gemm", counted)
     for m in (1, most, most + 1):
         x = torch.randn(m, 64)
         torch.testing.assert_close(layer(x), x @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-4)
@@ -667,14 +669,14 @@ def test_small_gemm_is_bit_identical_without_avx512(
     very same matmul results."""
     torch.manual_seed(11)
     weight, bias, x = torch.randn(96, 577), torch.randn(96), torch.randn(37, 577)
-    panels = kernels.pack_panels(weight)
+    panels = gemm.pack_panels(weight)
     assert panels is not None
-    want = kernels.small_gemm(x, panels, bias)
+    want = gemm.small_gemm(x, panels, bias)
     lib = avx2_build.library
-    monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): lib)
-    avx2_panels = kernels.pack_panels(weight)
+    monkeypatch.setattr(cpu_build, "load_library", lambda extra_flags=(): lib)
+    avx2_panels = gemm.pack_panels(weight)
     assert avx2_panels is not None and torch.equal(avx2_panels, panels)
-    assert torch.equal(kernels.small_gemm(x, avx2_panels, bias), want)
+    assert torch.equal(gemm.small_gemm(x, avx2_panels, bias), want)
     # its own row thresholds, answered by the build whose tiles they were measured for: past
     # its decode kernel, prompt chunks go to its own (16-register) prefill kernel tiles
     assert lib is not None and lib.cbgen_small_gemm_max_rows() > 0
@@ -741,10 +743,10 @@ def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     monkeypatch.setattr(cpu_build, "cache_dir", lambda: tmp_path / "cache")
     monkeypatch.delenv(ISA_SETTING, raising=False)
     cpu_build._build.cache_clear()
-    kernels.load_library.cache_clear()
+    cpu_build.load_library.cache_clear()
     yield tmp_path / "cache"
     cpu_build._build.cache_clear()
-    kernels.load_library.cache_clear()
+    cpu_build.load_library.cache_clear()
 
 
 def _put_first_on_path(
@@ -770,7 +772,7 @@ def test_a_failed_build_is_reported_with_the_compilers_words_in_a_log(
             f'case " $* " in *" -c "*) {script.replace(chr(10), "; ")};; esac\nexec {real} "$@"\n'
         )
     _put_first_on_path(monkeypatch, tmp_path / "bin", script)
-    assert kernels.load_library() is None
+    assert cpu_build.load_library() is None
     logs = list(fresh_build.glob("build-*.log"))
     assert len(logs) == 1 and not list(fresh_build.glob("*.so"))
     assert (
@@ -786,7 +788,7 @@ def test_no_compiler_is_reported(
     fresh_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert kernels.load_library() is None
+    assert cpu_build.load_library() is None
     assert cpu_build.native_status() == "native CPU kernels: unavailable (no C compiler)"
 
 
@@ -799,12 +801,12 @@ def isa_build(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], cpu_b
     def build_for(isa: str) -> cpu_build.Build:
         monkeypatch.setenv(ISA_SETTING, isa)
         cpu_build._build.cache_clear()
-        kernels.load_library.cache_clear()
+        cpu_build.load_library.cache_clear()
         return cpu_build.native_build()
 
     yield build_for
     cpu_build._build.cache_clear()
-    kernels.load_library.cache_clear()
+    cpu_build.load_library.cache_clear()
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
@@ -833,7 +835,7 @@ def test_the_isa_setting_builds_the_kernels_for_a_lower_isa_under_its_own_key(
     assert ("__AVX512F__" in macros) is (isa == "avx512") and "__AVX2__" in macros
     assert "__AVX512BF16__" not in macros and "__AMX_BF16__" not in macros
     assert ("avx512f" in lowered.reason) is (isa == "avx512") and "bf16" not in lowered.reason
-    assert kernels.load_library() is lowered.library
+    assert cpu_build.load_library() is lowered.library
     assert lowered.library.cbgen_head_i16_preferred() == (isa == "avx2")
     assert not bf16_matmul_fast()
 
@@ -847,7 +849,7 @@ def test_an_isa_this_cpu_lacks_is_refused(
         cpu_build, "cpu_info", lambda: CpuInfo("zen 3", "x86_64", frozenset({"avx2", "fma"}))
     )
     monkeypatch.setenv(ISA_SETTING, "avx512")
-    assert kernels.load_library() is None
+    assert cpu_build.load_library() is None
     assert cpu_build.native_status() == (
         "native CPU kernels: unavailable (CBGEN_CPU_ISA=avx512 asks for AVX-512 (avx512f), "
         "which this CPU does not have)"
@@ -884,7 +886,7 @@ def test_without_the_kernels_the_engine_gives_the_same_greedy_tokens(
         "CPU " in with_kernels.describe()
         and "native CPU kernels: built for" in with_kernels.describe()
     )
-    monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): None)
+    monkeypatch.setattr(cpu_build, "load_library", lambda extra_flags=(): None)
     without, got = run()
     assert without.model.ops is TORCH_OPS
     assert getattr(without.model.head_method, "panels", None) is None
@@ -895,17 +897,17 @@ def test_without_the_kernels_the_engine_gives_the_same_greedy_tokens(
 
 
 def test_wrong_dtypes_and_shapes_raise_before_any_pointer_reaches_c() -> None:
-    x, panels = torch.randn(3, 64), torch.randn(3, 64, kernels.PANEL)
+    x, panels = torch.randn(3, 64), torch.randn(3, 64, gemm.PANEL)
     kv = torch.randn(2, 4, 16, 2, 64)
     bt, sl = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     residual, weight = torch.randn(5, 64), torch.ones(64)
     before = residual.clone()
     cos = torch.randn(32, 16)
     cases: list[tuple[Callable[[], object], type[Exception], str]] = [
-        (lambda: kernels.small_gemm(x.double(), panels, None), TypeError, "x: expected torch.float32, got torch.float64"),
-        (lambda: kernels.small_gemm(torch.randn(3, 65), panels, None), ValueError, r"x: expected shape \[M, 64\], got \[3, 65\]"),
-        (lambda: kernels.small_gemm(x, panels, torch.randn(95)), ValueError, r"bias: expected shape \[96\]"),
-        (lambda: kernels.small_gemm(x, panels[:, :, :16], None), ValueError, "panels: expected shape"),
+        (lambda: gemm.small_gemm(x.double(), panels, None), TypeError, "x: expected torch.float32, got torch.float64"),
+        (lambda: gemm.small_gemm(torch.randn(3, 65), panels, None), ValueError, r"x: expected shape \[M, 64\], got \[3, 65\]"),
+        (lambda: gemm.small_gemm(x, panels, torch.randn(95)), ValueError, r"bias: expected shape \[96\]"),
+        (lambda: gemm.small_gemm(x, panels[:, :, :16], None), ValueError, "panels: expected shape"),
         (lambda: kernels.silu_mul(torch.randn(3, 7)), ValueError, "gate_up: expected an even number of columns"),
         (lambda: kernels.silu_mul(torch.randn(3, 8).half()), TypeError, "gate_up: expected torch.float32"),
         (lambda: kernels.add_rmsnorm_(residual, None, torch.ones(63), 1e-6), ValueError, r"weight: expected shape \[64\]"),
@@ -921,8 +923,8 @@ def test_wrong_dtypes_and_shapes_raise_before_any_pointer_reaches_c() -> None:
         (lambda: kernels.prefill_attention_f32(torch.randn(4, 2, 64), torch.randn(4, 2, 32), torch.randn(4, 2, 32), 0.1), ValueError, "key: expected shape"),
         (lambda: kernels.prefill_attention_f32(torch.randn(5, 2, 64), torch.randn(4, 2, 64), torch.randn(4, 2, 64), 0.1), ValueError, "cannot serve a query of 5"),
         (lambda: kernels.exp_sub_sum_(torch.randn(8).double(), 0.0), TypeError, "scores: expected torch.float32"),
-        (lambda: kernels.head_bf16(torch.randn(2, 8), x[:2], x[:2].bfloat16(), torch.randn(8, 64), torch.ones(8), torch.ones(8), (0.0, 1.0, 0.0, 0.0), torch.zeros(2), torch.zeros(2), 1), TypeError, "logits: expected torch.bfloat16"),
-        (lambda: kernels.pack_panels(torch.randn(96)), ValueError, "weight: expected a 2-D CPU tensor"),
+        (lambda: head_kernels.head_bf16(torch.randn(2, 8), x[:2], x[:2].bfloat16(), torch.randn(8, 64), torch.ones(8), torch.ones(8), (0.0, 1.0, 0.0, 0.0), torch.zeros(2), torch.zeros(2), 1), TypeError, "logits: expected torch.bfloat16"),
+        (lambda: gemm.pack_panels(torch.randn(96)), ValueError, "weight: expected a 2-D CPU tensor"),
     ]  # fmt: skip
     for call, error, message in cases:
         with pytest.raises(error, match=message):
@@ -937,7 +939,7 @@ def test_the_checks_hold_under_python_optimisations() -> None:
         "from cbgen.cpu import kernels\n"
         "assert False, 'assert statements still run'\n"
         "try:\n"
-        "    kernels.small_gemm(torch.randn(2, 64, dtype=torch.float64), torch.randn(3, 64, 32), None)\n"
+        "    gemm.small_gemm(torch.randn(2, 64, dtype=torch.float64), torch.randn(3, 64, 32), None)\n"
         "except TypeError as e:\n"
         "    print('refused:', e)\n"
     )

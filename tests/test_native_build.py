@@ -1,5 +1,5 @@
 """The C kernels must build wherever there is a C compiler: every test of them is skipped when
-kernels.load_library() gives None, so a source that stops compiling would otherwise pass CI
+build.load_library() gives None, so a source that stops compiling would otherwise pass CI
 silently while the engine falls back to its slower torch paths."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_every_kernel_source_compiles_and_the_library_loads(tmp_path: Path) -> N
             text=True,
         )
         assert done.returncode == 0, f"{source.name} does not compile:\n{done.stderr}"
-    assert kernels.load_library() is not None
+    assert build.load_library() is not None
 
 
 def _isa_macros(cc: str, flags: tuple[str, ...]) -> set[str]:
@@ -107,7 +107,7 @@ def prefill_build(
     if build.find_compiler() is None:
         pytest.skip("no C compiler")
     if request.param == "native":
-        lib = kernels.load_library()
+        lib = build.load_library()
         if lib is None:
             pytest.skip(build.native_status())
         return lib
@@ -169,7 +169,7 @@ def test_prefill_kernel_matches_a_float64_softmax(
     window: int | None,
     cap: float | None,
 ) -> None:
-    monkeypatch.setattr(kernels, "load_library", lambda extra_flags=(): prefill_build)
+    monkeypatch.setattr(build, "load_library", lambda extra_flags=(): prefill_build)
     torch.manual_seed(qlen * 7 + ctx)
     q = torch.randn(qlen, heads, d) * 2
     k, v = torch.randn(ctx + qlen, kv_heads, d), torch.randn(ctx + qlen, kv_heads, d)

@@ -13,12 +13,12 @@ import torch
 from conftest import tiny_engine
 
 from cbgen.config import SamplingParams
-from cbgen.cpu import kernels
+from cbgen.cpu import build, thresholds
 from cbgen.llm import LLM
 from cbgen.runtime.cpu import CpuRuntime
 from cbgen.runtime.cpu_decoder import NativeDecoder
 
-pytestmark = pytest.mark.skipif(kernels.load_library() is None, reason=kernels.native_status())
+pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
 
 
 def cpu_runtime(engine: Any) -> CpuRuntime:
@@ -105,7 +105,7 @@ def test_steps_with_a_chunk_for_the_prefill_kernel_take_the_python_path(
     prefill_split allows), and a batch past small_gemm's rows, run the Python forward; the
     tokens are those of an engine without the native decoder."""
     folder = tiny_model_dir("llama")
-    monkeypatch.setattr(kernels, "prefill_split", lambda: (40, True))
+    monkeypatch.setattr(thresholds, "prefill_split", lambda: (40, True))
     engine = tiny_engine(folder, max_num_batched_tokens=24)
     cpu_runtime(engine).thresholds.small_gemm_max_rows = 6
     checked = Checked(engine)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cbgen.config import EngineConfig, SamplingParams
-from cbgen.cpu import kernels
+from cbgen.cpu import build, kernels
 from cbgen.engine.engine import Engine
 from cbgen.engine.sampler import (
     Sampler,
@@ -262,7 +262,7 @@ def test_rows_without_masks_draw_what_the_torch_ops_draw(monkeypatch: pytest.Mon
     monkeypatch.setattr(kernels, "sample", lambda x, *a: calls.append(x.shape[0]) or inner(x, *a))
     with_kernel = draw()
     if inner(logits[:1], torch.ones(1), torch.zeros(1)) is None:
-        pytest.skip(kernels.native_status())
+        pytest.skip(build.native_status())
     assert calls == [sum(1 for p in params if not p.greedy and p.top_p == 1.0)] * 3
     monkeypatch.setattr(kernels, "sample", lambda *a: None)
     assert draw() == with_kernel

@@ -37,7 +37,7 @@ from cbgen.attention.cpu_backend import CpuAttentionBackend
 from cbgen.attention.torch_backend import TorchAttentionBackend
 from cbgen.attention.triton_backend import TritonAttentionBackend, TritonPlan
 from cbgen.config import SamplingParams
-from cbgen.cpu import kernels
+from cbgen.cpu import build, kernels, thresholds
 from cbgen.engine.engine import Engine
 from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
@@ -174,11 +174,11 @@ def _backend(name: str, monkeypatch: pytest.MonkeyPatch) -> AttentionBackend:
         if name == "triton":
             return TritonAttentionBackend()
         return _SplitEveryStep(num_sms=64, min_keys_per_split=8, max_splits=3)
-    if kernels.load_library() is None:
-        pytest.skip(kernels.native_status())
+    if build.load_library() is None:
+        pytest.skip(build.native_status())
     # every chunk to the decode kernel, or every chunk to the prefill kernel
     rows = 1 << 30 if name == "cpu-decode-kernel" else 0
-    monkeypatch.setattr(kernels, "prefill_split", lambda: (rows, True))
+    monkeypatch.setattr(thresholds, "prefill_split", lambda: (rows, True))
     kernel = "paged_decode_f32" if name == "cpu-decode-kernel" else "prefill_attention_f32"
     original = getattr(kernels, kernel)
 

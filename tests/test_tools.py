@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbgen.cpu import kernels
+from cbgen.cpu import build, head_kernels
 from cbgen.engine.outputs import StepStats
 from tools import compare_peers, head_bench, profile_step
 from tools.cbgen_worker import attention_flops, flop_summary, keys_read
@@ -72,11 +72,11 @@ def force_exact_head(head: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from cbgen.cpu.linear import bf16_matmul_supported
     from cbgen.runtime import cpu as cpu_runtime
 
-    if kernels.load_library() is None:
-        pytest.skip(kernels.native_status())
+    if build.load_library() is None:
+        pytest.skip(build.native_status())
     if head == "Bf16Head" and not bf16_matmul_supported():
         pytest.skip("no oneDNN bf16 matmul on this CPU (AVX-512 needed)")
-    if head == "Int16Head" and not kernels.head_i16_available():
+    if head == "Int16Head" and not head_kernels.head_i16_available():
         pytest.skip("no int16 head in this build (x86-64 with AVX2)")
     monkeypatch.setattr(cpu_runtime, "bf16_matmul_fast", lambda: head == "Bf16Head")
     tuned = tuning.for_this_machine()
@@ -110,25 +110,19 @@ def test_head_bench_times_both_heads_and_checks_their_tokens(
             "--alternate-decoder",
             "one C call",
             "Python forward",
-            marks=pytest.mark.skipif(
-                kernels.load_library() is None, reason=kernels.native_status()
-            ),
+            marks=pytest.mark.skipif(build.load_library() is None, reason=build.native_status()),
         ),
         pytest.param(
             "--alternate-blocked=1",
             r"row blocks from \d+ rows",
             "row blocks from 1 rows",
-            marks=pytest.mark.skipif(
-                kernels.load_library() is None, reason=kernels.native_status()
-            ),
+            marks=pytest.mark.skipif(build.load_library() is None, reason=build.native_status()),
         ),
         pytest.param(
             "--alternate-matmul=1",
             r"small_gemm up to \d+ rows",
             "small_gemm up to 1 rows",
-            marks=pytest.mark.skipif(
-                kernels.load_library() is None, reason=kernels.native_status()
-            ),
+            marks=pytest.mark.skipif(build.load_library() is None, reason=build.native_status()),
         ),
     ],
 )

@@ -7,7 +7,7 @@ them; each time is the median of --reps calls, in ms, each ratio the median of t
     python -m tools.prefill_attention_bench [--reps 15] [--heads 9 --kv-heads 3 --head-dim 64]
 
 Rows: the K/V rows the chunk's query tokens read in all (query_len x mean keys a query), the
-quantity the cpu backend splits chunks by (kernels.prefill_split).
+quantity the cpu backend splits chunks by (thresholds.prefill_split).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before the kernels' OpenMP runt
 import torch
 
 from cbgen.attention import torch_backend
-from cbgen.cpu import build, kernels
+from cbgen.cpu import build, kernels, thresholds
 
 # (query tokens, cached context): docs/PERFORMANCE.md's AVX2 tables
 SHAPES = [
@@ -90,7 +90,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(build.native_status())
-    print(f"split of this build (rows, prefill kernel): {kernels.prefill_split()}")
+    print(f"split of this build (rows, prefill kernel): {thresholds.prefill_split()}")
     print(
         "| chunk | rows | decode kernel | prefill kernel | SDPA | prefill / decode | prefill / SDPA |"
     )

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from cbgen.config import EngineConfig, SamplingParams
-from cbgen.cpu import kernels
+from cbgen.cpu.thresholds import build_small_gemm_blocked_rows
 from cbgen.engine.engine import Engine
 from cbgen.engine.outputs import StepStats
 from cbgen.runtime.cpu import CpuRuntime
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
 
         alternate = threshold(
             "--alternate-blocked",
-            thresholds.blocked_rows or kernels.build_small_gemm_blocked_rows(),
+            thresholds.blocked_rows or build_small_gemm_blocked_rows(),
             set_blocked,
             args.alternate_blocked,
             "row blocks from {} rows",

@@ -15,7 +15,7 @@ chunk's K/V are gathered from its first query's window on.
 
 Small and large are told apart by the K/V rows a chunk's query tokens read in all (under a
 sliding window, only the window's keys count) against a threshold measured per ISA:
-kernels.prefill_split. Layers with a window take their own split, built by the first of them.
+thresholds.prefill_split. Layers with a window take their own split, built by the first of them.
 
 Whatever a kernel refuses (another dtype, a shape it does not hold, no C compiler to build the
 kernels with) takes the torch reference's path instead, so this backend answers wherever the
@@ -32,13 +32,13 @@ import torch
 from cbgen.attention import torch_backend
 from cbgen.attention.base import AttentionBackend, AttentionMetadata
 from cbgen.attention.torch_backend import AttentionPlan, PrefillChunk
-from cbgen.cpu import kernels
+from cbgen.cpu import kernels, thresholds
 
 
 @dataclass
 class NativePlan:
     """Work for the C decode kernel: every decode, and every token of the prefill chunks that
-    read at most kernels.prefill_split()[0] K/V rows. Tokens are in flat-batch order, so when
+    read at most thresholds.prefill_split()[0] K/V rows. Tokens are in flat-batch order, so when
     all are covered, row i is token i."""
 
     tokens: torch.Tensor  # [N] token indices in the flat batch
@@ -108,9 +108,9 @@ def _native_plan(
     window: int | None,
 ) -> NativePlan:
     """Every decode, and the tokens of the prefill chunks that read at most
-    kernels.prefill_split()[0] K/V rows under the window."""
+    thresholds.prefill_split()[0] K/V rows under the window."""
     left = {p[0]: p for p in reference.prefills}
-    most_rows = kernels.prefill_split()[0]
+    most_rows = thresholds.prefill_split()[0]
     block_size = reference.block_size
     tokens, rows, keys = [], [], []
     max_len = 0
@@ -182,7 +182,7 @@ def attend(
             prefills = plan.reference.prefills
     if out is None:
         out = torch.empty_like(query)
-    prefill_kernel = kernels.prefill_split()[1]
+    prefill_kernel = thresholds.prefill_split()[1]
     for chunk in prefills:
         start, end, seq_len, _ = chunk
         first = torch_backend.first_window_block(seq_len, end - start, window, kv_cache.shape[2])

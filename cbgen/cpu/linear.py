@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from cbgen.cpu import kernels
+from cbgen.cpu import head_kernels
 from cbgen.cpu.features import kernel_cpu
 
 
@@ -110,7 +110,7 @@ class Bf16Head(ExactHead):
         hidden16 = hidden.to(torch.bfloat16)
         logits = packed_linear(hidden16, self.packed, None)
         weights = (self.weight, self.residual_norms, self.norms)
-        tokens, self.last_candidates = kernels.head_bf16(
+        tokens, self.last_candidates = head_kernels.head_bf16(
             logits, hidden, hidden16, *weights, self.bound, temperature, seeds, self.MAX_ATTEMPTS
         )
         return tokens
@@ -120,7 +120,7 @@ class Int16Head(ExactHead):
     """The exact head from an int16 copy (each row scaled to integers, cbgen/cpu/csrc/
     int16_head.c), for CPUs without bf16 dot products: vpmaddwd makes twice the multiply-adds of
     a float32 FMA per instruction, and the copy is half the float32 head to stream. Needs the
-    kernels' int16 head (kernels.head_i16_available: x86-64 with AVX2)."""
+    kernels' int16 head (head_kernels.head_i16_available: x86-64 with AVX2)."""
 
     ROUNDING = 1.25 * 4 * 2.0**-24
     """The int32 sum converted to float32 and scaled twice: three float32 roundings, with slack."""
@@ -129,7 +129,7 @@ class Int16Head(ExactHead):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
-        self.packed = kernels.head_i16_pack(weight)
+        self.packed = head_kernels.head_i16_pack(weight)
         self.padded_norms = torch.zeros(self.packed[2].shape)
         self.padded_norms[: self.norms.numel()] = self.norms
         self.scratch = torch.empty(0, dtype=torch.float32)
@@ -138,10 +138,10 @@ class Int16Head(ExactHead):
     def __call__(
         self, hidden: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor
     ) -> torch.Tensor:
-        need = kernels.head_i16_scratch(hidden.shape[0], self.weight.shape[0])
+        need = head_kernels.head_i16_scratch(hidden.shape[0], self.weight.shape[0])
         if self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.float32)
-        tokens, self.last_candidates = kernels.head_i16(
+        tokens, self.last_candidates = head_kernels.head_i16(
             hidden,
             self.packed,
             self.weight,

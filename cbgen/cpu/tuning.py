@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from cbgen.cpu import build, kernels
+from cbgen.cpu import build, gemm, head_kernels
 from cbgen.cpu.linear import (
     Int16Head,
     bf16_matmul_fast,
@@ -89,7 +89,7 @@ class Tuning:
     """The LM head takes int16 logits (linear.Int16Head) where the CPU has no bf16 dot products."""
     blocked_rows: int = 0
     """small_gemm packs rows in blocks from this many on (0: the build's default,
-    kernels.build_small_gemm_blocked_rows)."""
+    thresholds.build_small_gemm_blocked_rows)."""
 
     def describe(self) -> str:
         head = ", int16 LM head" if self.int16_head else ""
@@ -145,7 +145,7 @@ def measure(reps: int = 5, blocked_from: int = 0) -> tuple[list[float], list[flo
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(SHAPE, generator=gen) for _ in range(WEIGHTS)]
     packed = [pack_weight(w) for w in weights]
-    panels = [p for p in map(kernels.pack_panels, weights) if p is not None]
+    panels = [p for p in map(gemm.pack_panels, weights) if p is not None]
     del weights
     if len(panels) < WEIGHTS:
         return None
@@ -155,7 +155,7 @@ def measure(reps: int = 5, blocked_from: int = 0) -> tuple[list[float], list[flo
 
         def native_pass(x: torch.Tensor = x) -> None:
             for p in panels:
-                kernels.small_gemm(x, p, None, blocked_from)
+                gemm.small_gemm(x, p, None, blocked_from)
 
         def onednn_pass(x: torch.Tensor = x) -> None:
             for w in packed:
@@ -177,7 +177,7 @@ def measure_blocked(reps: int = 5) -> tuple[list[float], list[float]] | None:
     the kernels."""
     gen = torch.Generator().manual_seed(1)
     shapes = LAYER_SHAPES * LAYERS
-    panels = [kernels.pack_panels(torch.randn(shape, generator=gen)) for shape in shapes]
+    panels = [gemm.pack_panels(torch.randn(shape, generator=gen)) for shape in shapes]
     if any(p is None for p in panels):
         return None
     tiles, blocked = [], []
@@ -186,7 +186,7 @@ def measure_blocked(reps: int = 5) -> tuple[list[float], list[float]] | None:
 
         def layers(blocked_from: int, xs: dict[int, torch.Tensor] = xs) -> None:
             for (_, k), p in zip(shapes, panels, strict=True):
-                kernels.small_gemm(xs[k], p, None, blocked_from)  # type: ignore[arg-type]
+                gemm.small_gemm(xs[k], p, None, blocked_from)  # type: ignore[arg-type]
 
         def tiles_pass(r: int = r) -> None:
             layers(r + 1)
@@ -206,7 +206,7 @@ def measure_head(reps: int = 5) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(HEAD_SHAPE, generator=gen) * 0.05
     hidden = torch.randn(HEAD_ROWS, HEAD_SHAPE[1], generator=gen)
-    panels = kernels.pack_panels(weight)
+    panels = gemm.pack_panels(weight)
     if panels is None:
         raise RuntimeError("the head's timing needs the native kernels")
     head = Int16Head(weight)
@@ -214,7 +214,7 @@ def measure_head(reps: int = 5) -> tuple[float, float]:
     seeds = torch.zeros(HEAD_ROWS, dtype=torch.int64)
 
     def float32_head() -> None:
-        kernels.small_gemm(hidden, panels, None).argmax(-1)
+        gemm.small_gemm(hidden, panels, None).argmax(-1)
 
     def int16_head() -> None:
         head(hidden, zeros, seeds)
@@ -347,7 +347,7 @@ def for_this_machine() -> Tuning | None:
         return None
     default = int(b.library.cbgen_small_gemm_max_rows())
     head: bool | None = None
-    if kernels.head_i16_available() and not bf16_matmul_fast():
+    if head_kernels.head_i16_available() and not bf16_matmul_fast():
         head = bool(b.library.cbgen_head_i16_preferred())
     if os.environ.get("CBGEN_CPU_TUNING", "").lower() in ("off", "0", "no", "false"):
         return Tuning(default, "build default: CBGEN_CPU_TUNING=off", bool(head))

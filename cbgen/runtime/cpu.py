@@ -27,6 +27,7 @@ from cbgen.cpu import kernels, tuning
 from cbgen.cpu.build import native_status
 from cbgen.cpu.features import cpu_info
 from cbgen.cpu.linear import Bf16Head, Int16Head, bf16_matmul_fast, onednn_packing_available
+from cbgen.cpu.thresholds import build_small_gemm_blocked_rows
 from cbgen.models.base import CausalLM
 from cbgen.runtime.base import Runtime
 from cbgen.runtime.cpu_decoder import NativeDecoder
@@ -88,7 +89,7 @@ def prepare(model: CausalLM, dtype: torch.dtype, num_threads: int | None = None)
         if tuned is None
         else CpuThresholds(
             tuned.small_gemm_max_rows,
-            tuned.blocked_rows or kernels.build_small_gemm_blocked_rows(),
+            tuned.blocked_rows or build_small_gemm_blocked_rows(),
         )
     )
     runtime = CpuRuntime(model, tuned, thresholds)

@@ -27,7 +27,7 @@ import torch
 
 from cbgen.attention.base import AttentionMetadata
 from cbgen.attention.cpu_backend import CpuPlan
-from cbgen.cpu import kernels
+from cbgen.cpu import build, kernels
 from cbgen.models.base import CausalLM, Linear
 from cbgen.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
 from cbgen.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
@@ -110,7 +110,7 @@ class NativeDecoder:
         self.softcap = attn.logit_softcap or 0.0
         self.gemma = gemma
         """Gemma's layers: embedding scale, norms after each block, GeGLU."""
-        self.lib = kernels.load_library()
+        self.lib = build.load_library()
         self._caches: list[torch.Tensor] = []
         self._struct: _Decoder | None = None
         self._layer_array: ctypes.Array[_Layer] | None = None
@@ -129,7 +129,7 @@ class NativeDecoder:
             GemmaForCausalLM: (GemmaDecoderLayer, GemmaMLP),
         }
         kind = kinds.get(type(model))
-        if kind is None or kernels.load_library() is None or not isinstance(model.ops, CpuOps):
+        if kind is None or build.load_library() is None or not isinstance(model.ops, CpuOps):
             return None
         assert isinstance(model, LlamaForCausalLM)
         cfg = model.config

@@ -1,7 +1,7 @@
 """The CPU's float32 linear method: the weight packed once, when the runtime binds the model,
 into the layout of the kernel that serves a batch of its size.
 
-    rows <= thresholds.small_gemm_max_rows   cbgen.cpu.kernels.small_gemm over 32-column panels
+    rows <= thresholds.small_gemm_max_rows   cbgen.cpu.gemm.small_gemm over 32-column panels
                                              (tuned per machine; up to 2,048 rows with AVX2)
     more rows                                oneDNN's packed matmul (torch.ops.mkldnn)
     neither copy                             torch's F.linear
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cbgen.cpu import kernels
+from cbgen.cpu import gemm
 from cbgen.cpu.linear import pack_weight, packed_linear
 
 
@@ -53,7 +53,7 @@ class PackedF32Linear:
     ) -> PackedF32Linear:
         return cls(
             pack_weight(weight) if onednn else None,
-            kernels.pack_panels(weight) if panels else None,
+            gemm.pack_panels(weight) if panels else None,
             thresholds,
         )
 
@@ -66,7 +66,7 @@ class PackedF32Linear:
             and x.dim() == 2
             and x.shape[0] <= self.thresholds.small_gemm_max_rows
         ):
-            return kernels.small_gemm(x, panels, bias, self.thresholds.blocked_rows)
+            return gemm.small_gemm(x, panels, bias, self.thresholds.blocked_rows)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, weight, bias)
@@ -77,4 +77,4 @@ class PackedF32Linear:
             return None
         if x.shape[0] > self.thresholds.small_gemm_max_rows:
             return None  # oneDNN's rows: the gate-up product, then the activation
-        return kernels.small_gemm_gated(x, panels, activation, self.thresholds.blocked_rows)
+        return gemm.small_gemm_gated(x, panels, activation, self.thresholds.blocked_rows)
