@@ -61,6 +61,8 @@ _SRCS = {
     _CSRC / "bf16_head.c": ("-ffp-contract=fast", "-ffinite-math-only"),
     _CSRC / "int16_head.c": ("-ffp-contract=fast", "-ffinite-math-only"),
     _CSRC / "small_gemm.c": ("-ffp-contract=fast",),
+    # widen's sums are small_gemm's, FMA for FMA: -ffast-math must not reassociate a k pair
+    _CSRC / "small_gemm_bf16.c": ("-ffp-contract=fast", "-fno-associative-math"),
     _CSRC / "prefill_attention.c": ("-ffp-contract=fast",),
     _CSRC / "fused_ops.c": ("-ffp-contract=off",),
     # SiLU with vexp.h's exp: agrees with torch's to a few ulp, like the attention's softmax
@@ -348,6 +350,10 @@ SIGNATURES: dict[str, Signature] = {
     "cbgen_small_gemm_max_rows": (_i64, []),
     "cbgen_small_gemm_blocked_rows": (_i64, []),
     "cbgen_small_gemm_gated_f32": (_int, [_p, _i64, _i64, _p, _i64, _int, _p]),
+    "cbgen_bf16_native": (_i64, []),
+    "cbgen_panel_k_bf16": (_i64, [_i64]),
+    "cbgen_pack_panels_bf16": (None, [_p, _i64, _i64, _p]),
+    "cbgen_small_gemm_bf16": (_int, [_p, _i64, _i64, _p, _i64, _p, _int, _p]),
     "cbgen_prefill_attention_f32": (_int, [_p, _i64, _p, _p, _p, *[_i64] * 6, _f32, _i64, _f32]),
     "cbgen_native_prefill_rows": (_i64, []),
     "cbgen_prefill_kernel_preferred": (_int, []),

@@ -31,14 +31,10 @@ from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
 from cbgen.engine.structured import Grammars, GrammarState, reasoning_open
 from cbgen.metrics import RequestMetrics
 from cbgen.models.base import CausalLM
-from cbgen.models.loader import (
-    load_model,
-    load_model_config,
-    load_tokenizer,
-    resolve_model,
-    stored_weight_dtype,
-)
-from cbgen.runtime import Runtime, bind
+from cbgen.models.loader import load_model, load_model_config, stored_weight_dtype
+from cbgen.models.source import resolve_model
+from cbgen.models.tokenizer import load_tokenizer
+from cbgen.runtime import Runtime, bind, cpu_bf16_mode
 
 logger = logging.getLogger("cbgen")
 
@@ -87,6 +83,16 @@ class Engine:
         )
         self.model_config = load_model_config(self.source)
         mc = self.model_config
+        self.cpu_bf16: str | None = None
+        """On the CPU, how bfloat16 runs ("dot" or "widen": cbgen.runtime.cpu_bf16_mode): bf16
+        weights under float32 activations, so self.dtype is float32 then."""
+        if self.device.type == "cpu":
+            stored = stored_weight_dtype(self.source, config.load_format)
+            self.cpu_bf16 = cpu_bf16_mode(
+                config.dtype, config.attention_backend, config.cpu_weight_dtype, stored
+            )
+            if self.cpu_bf16 is not None:
+                self.dtype = torch.float32
         limit = mc.max_position_embeddings
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
@@ -121,16 +127,16 @@ class Engine:
                 )
             if other.max_model_len < self.max_model_len:
                 raise ValueError("share_weights_with: the other engine has a shorter max_model_len")
+            if other.cpu_bf16 != self.cpu_bf16:
+                raise ValueError("share_weights_with: the other engine runs bfloat16 otherwise")
             self.tokenizer, self.model = other.tokenizer, other.model
             self.weight_dtype = other.weight_dtype
             self.runtime = other.runtime
             self.runtime.use_threads(config.num_threads)
         else:
             if self.device.type == "cpu":
-                stored = stored_weight_dtype(self.source, config.load_format)
-                self.weight_dtype = plan_cpu_weights(
-                    mc, self.dtype, config.cpu_weight_dtype, stored, self.source.name
-                )
+                kept = "bfloat16" if self.cpu_bf16 is not None else config.cpu_weight_dtype
+                self.weight_dtype = plan_cpu_weights(mc, self.dtype, kept, stored, self.source.name)
             self.tokenizer = load_tokenizer(self.source)
             self.model = load_model(
                 self.source,
@@ -142,7 +148,9 @@ class Engine:
                 config.seed,
                 self.weight_dtype,
             )
-            self.runtime = bind(self.model, self.device, self.dtype, config.num_threads)
+            self.runtime = bind(
+                self.model, self.device, self.dtype, config.num_threads, self.cpu_bf16 == "dot"
+            )
         self._bad_words_ids: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
         self._grammars: Grammars | None = None  # built when a request first has a constraint
         self.load_time_s = time.perf_counter() - t0
@@ -307,7 +315,7 @@ class Engine:
             f"model {self.source.name}"
             + ("" if self.source.commit is None else f"@{self.source.commit[:12]}")
             + f" ({self.model_config.model_type}, "
-            f"{self.model_config.num_parameters() / 1e6:.0f}M params) on {self.device} {str(self.dtype).removeprefix('torch.')}"
+            f"{self.model_config.num_parameters() / 1e6:.0f}M params) on {self.device} {self.dtype_name}"
             + self._weight_storage()
             + ", "
             f"attention {self.backend.name}; KV cache {self.num_blocks} blocks x {self.config.block_size} "
@@ -325,11 +333,24 @@ class Engine:
             return f"eager ({self.graphs_off})"
         return f"CUDA graphs at batch sizes {graphs.sizes[0]}-{graphs.sizes[-1]} ({len(graphs)})"
 
+    @property
+    def dtype_name(self) -> str:
+        """What the run computes in, as the user names it: bfloat16 for the CPU's bf16 modes
+        (whose activations are float32), else self.dtype."""
+        return "bfloat16" if self.cpu_bf16 is not None else str(self.dtype).removeprefix("torch.")
+
     def _weight_storage(self) -> str:
+        if self.cpu_bf16 == "dot":
+            return " (bf16 weights and dot products; float32 activations, norms, attention and KV cache)"
+        if self.cpu_bf16 == "widen":
+            return (
+                " (bf16 weights widened to float32 in the matmuls: this CPU has no bf16 dot "
+                "products, so the arithmetic is float32's)"
+            )
         if self.weight_dtype == self.dtype:
             return ""
         name = str(self.weight_dtype).removeprefix("torch.")
-        return f" (weights kept in {name}, upcast per matmul)"
+        return f" (weights kept in {name}, float32 arithmetic on them)"
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -21,14 +21,38 @@ from cbgen.runtime.base import PlainSample, Runtime
 
 
 def bind(
-    model: CausalLM, device: torch.device, dtype: torch.dtype, num_threads: int | None = None
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_threads: int | None = None,
+    bf16_dot: bool = False,
 ) -> Runtime:
-    """Bind model (loaded, in dtype, on device) to the device once; see the module docstring."""
+    """Bind model (loaded, in dtype, on device) to the device once; see the module docstring.
+    bf16_dot (CPU): bfloat16 weights multiply with bf16 dot products (cpu.prepare)."""
     if device.type == "cpu":
-        return cpu.prepare(model, dtype, num_threads)
+        return cpu.prepare(model, dtype, num_threads, bf16_dot)
     if device.type == "cuda":
         return cuda.prepare(model)
     return Runtime(model)
 
 
-__all__ = ["PlainSample", "Runtime", "bind"]
+def cpu_bf16_mode(
+    dtype: str, attention_backend: str, cpu_weight_dtype: str, stored: torch.dtype | None
+) -> str | None:
+    """How the CPU runs a model asked for in `dtype` (EngineConfig.dtype), stored as `stored`:
+    "dot" (bf16 weights multiplied with bf16 dot products, float32 activations and the rest),
+    "widen" (bf16 weights widened to float32 in the matmuls: where the CPU has no bf16 dot
+    products), or None (as dtype says: float32, or torch's own bf16/fp16 arithmetic with an
+    attention backend other than cpu). auto: a bf16 checkpoint takes "dot" where the CPU has
+    bf16 dot products (vLLM's choice, from this CPU's real features), float32 elsewhere."""
+    if attention_backend not in ("auto", "cpu"):
+        return None
+    native = cpu.bf16_native()
+    if dtype == "bfloat16":
+        return "dot" if native else "widen"
+    if dtype == "auto" and cpu_weight_dtype == "auto" and stored == torch.bfloat16 and native:
+        return "dot"
+    return None
+
+
+__all__ = ["PlainSample", "Runtime", "bind", "cpu_bf16_mode"]

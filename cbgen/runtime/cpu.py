@@ -12,9 +12,11 @@ CPU's speed layer is the CpuRuntime this returns.
                  (AVX2, where the tuning found them faster), where the model allows it
     decoder      a decode step's forward pass in one C call (NativeDecoder), where it serves
 
-A model whose weights are kept in a half dtype (too large for float32 copies) keeps torch's
-linear method, which upcasts them as it goes; a model in another dtype than float32 runs the
-torch reference, with the C sampler.
+A model whose weights are kept in bfloat16 (--dtype bfloat16 on the CPU, or a bf16 checkpoint
+too large for float32 copies) gets bf16 panels (PackedBf16Linear: bf16 dot products where the
+CPU has them, the weight widened in registers elsewhere) under float32 activations; fp16
+weights keep torch's linear method, which upcasts them as it goes; a model whose activations
+are not float32 runs the torch reference, with the C sampler.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import psutil
 import torch
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
-from cbgen.cpu import kernels, tuning
+from cbgen.cpu import bf16, kernels, tuning
 from cbgen.cpu.build import native_status
 from cbgen.cpu.features import cpu_info
 from cbgen.cpu.linear import Bf16Head, Int16Head, bf16_matmul_fast, onednn_packing_available
@@ -31,7 +33,7 @@ from cbgen.cpu.thresholds import build_small_gemm_blocked_rows
 from cbgen.models.base import CausalLM
 from cbgen.runtime.base import Runtime
 from cbgen.runtime.cpu_decoder import NativeDecoder
-from cbgen.runtime.cpu_linear import CpuThresholds, PackedF32Linear
+from cbgen.runtime.cpu_linear import CpuThresholds, PackedBf16Linear, PackedF32Linear
 from cbgen.runtime.cpu_ops import CpuOps
 
 
@@ -79,8 +81,11 @@ class CpuRuntime(Runtime):
         return f"; {cpu_info().describe()}; {status}; LM head {head}; decode steps: {steps}"
 
 
-def prepare(model: CausalLM, dtype: torch.dtype, num_threads: int | None = None) -> CpuRuntime:
-    """Bind model to the CPU (see the module docstring)."""
+def prepare(
+    model: CausalLM, dtype: torch.dtype, num_threads: int | None = None, bf16_dot: bool = False
+) -> CpuRuntime:
+    """Bind model to the CPU (see the module docstring). bf16_dot: bfloat16 weights multiply
+    with bf16 dot products (--dtype bfloat16 where the CPU has them), not widened to float32."""
     torch.set_num_threads(_threads(num_threads))  # before the tuning pass times anything
     native = dtype == torch.float32 and kernels.fused_ops_available()
     tuned = tuning.for_this_machine() if native else None
@@ -97,8 +102,12 @@ def prepare(model: CausalLM, dtype: torch.dtype, num_threads: int | None = None)
         return runtime
     if native:
         model.ops = CpuOps()
+    if model.head_weight.dtype == torch.bfloat16 and native:
+        _pack_bf16(model, bf16_dot)
+        runtime.decoder = NativeDecoder.for_model(model, thresholds)
+        return runtime
     if model.head_weight.dtype != dtype:
-        return runtime  # weights kept in a half dtype: no packed float32 copies of them
+        return runtime  # weights kept in fp16: no packed copies of them, upcast per matmul
     onednn = onednn_packing_available()
     for layer in model.linear_layers():
         layer.method = PackedF32Linear.pack(layer.weight.data, onednn, native, thresholds)
@@ -111,6 +120,24 @@ def prepare(model: CausalLM, dtype: torch.dtype, num_threads: int | None = None)
     if native:
         runtime.decoder = NativeDecoder.for_model(model, thresholds)
     return runtime
+
+
+def _pack_bf16(model: CausalLM, dot: bool) -> None:
+    """Weights kept in bfloat16: each layer's (and the head's) packed into bf16 panels where its
+    shape allows (the others keep torch's upcast), multiplied with bf16 dot products (dot) or
+    widened to float32; no exact head (it needs float32 weights)."""
+    for layer in model.linear_layers():
+        method = PackedBf16Linear.pack(layer.weight.data, dot)
+        if method is not None:
+            layer.method = method
+    head = PackedBf16Linear.pack(model.head_weight.data, dot)
+    if head is not None:
+        model.head_method = head
+
+
+def bf16_native() -> bool:
+    """Whether the kernels multiply bf16 weights with bf16 dot products on this CPU."""
+    return bf16.native()
 
 
 def _threads(num_threads: int | None) -> int:

@@ -31,7 +31,7 @@ from cbgen.cpu import build, kernels
 from cbgen.models.base import CausalLM, Linear
 from cbgen.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
 from cbgen.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
-from cbgen.runtime.cpu_linear import CpuThresholds, PackedF32Linear
+from cbgen.runtime.cpu_linear import CpuThresholds, PackedBf16Linear, PackedF32Linear
 from cbgen.runtime.cpu_ops import CpuOps
 
 _P = ctypes.c_void_p
@@ -82,6 +82,7 @@ class _Decoder(ctypes.Structure):
                 "num_slots",
                 "gemma",
                 "blocked_rows",
+                "weights",
             )
         ),
         ("eps", ctypes.c_float),
@@ -96,11 +97,17 @@ class NativeDecoder:
     """model's decode forward in one C call; see the module docstring. Build with for_model."""
 
     def __init__(
-        self, model: LlamaForCausalLM, thresholds: CpuThresholds, gemma: bool = False
+        self,
+        model: LlamaForCausalLM,
+        thresholds: CpuThresholds,
+        weights: int = 0,
+        gemma: bool = False,
     ) -> None:
         cfg = model.config
         self.model = model
         self.thresholds = thresholds
+        self.weights = weights
+        """How the matmuls' panels are packed: 0 float32, 1 bf16 widened, 2 bf16 dot products."""
         self.layers = list(model.decoder_layers)
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -133,12 +140,15 @@ class NativeDecoder:
             return None
         assert isinstance(model, LlamaForCausalLM)
         cfg = model.config
-        if model.embed_tokens.weight.dtype != torch.float32:
-            return None
+        if model.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16):
+            return None  # (bf16 rows come out of the embedding in float32: store_weights_in)
         for rope in cls._rope_tables(model):
             if 2 * rope.cos.shape[1] != cfg.head_dim or rope.cos.dtype != torch.float32:
                 return None
         first = model.decoder_layers[0].self_attn
+        weights = _weights(first.qkv_proj)
+        if weights is None:
+            return None
         for layer in model.decoder_layers:
             if (
                 type(layer) is not kind[0]
@@ -150,8 +160,8 @@ class NativeDecoder:
             if (attn.scale, attn.logit_softcap) != (first.scale, first.logit_softcap):
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(_panels(lin) is None or lin.weight.dtype != torch.float32 for lin in linears):
-                return None
+            if any(_weights(lin) != weights for lin in linears):
+                return None  # every matmul of every layer packed alike, or no C pass
             if any(lin.bias is not None for lin in linears[1:]):
                 return None
             if (attn.q_norm is None) != (attn.k_norm is None):
@@ -173,7 +183,7 @@ class NativeDecoder:
         )
         if probe is None:
             return None
-        return cls(model, thresholds, gemma=type(model) is GemmaForCausalLM)
+        return cls(model, thresholds, weights, gemma=type(model) is GemmaForCausalLM)
 
     @staticmethod
     def _rope_tables(model: LlamaForCausalLM) -> list[Any]:
@@ -263,6 +273,7 @@ class NativeDecoder:
             num_slots=first.shape[1] * block_size,
             gemma=int(self.gemma),
             blocked_rows=self.thresholds.blocked_rows,
+            weights=self.weights,
             eps=self.eps,
             scale=self.scale,
             softcap=self.softcap,
@@ -331,6 +342,20 @@ class NativeDecoder:
 
 
 def _panels(linear: Linear) -> torch.Tensor | None:
-    """small_gemm's panels of a layer whose method holds them."""
+    """The panels of a layer whose method holds them (small_gemm's or small_gemm_bf16's)."""
     method = linear.method
-    return method.panels if isinstance(method, PackedF32Linear) else None
+    if isinstance(method, PackedF32Linear):
+        return method.panels
+    return method.panels if isinstance(method, PackedBf16Linear) else None
+
+
+def _weights(linear: Linear) -> int | None:
+    """decoder.c's code for how a layer's weight is packed (cbgen_decoder_f32.weights), or None
+    where it is not packed for a C matmul."""
+    method = linear.method
+    if isinstance(method, PackedF32Linear):
+        ok = method.panels is not None and linear.weight.dtype == torch.float32
+        return 0 if ok else None
+    if isinstance(method, PackedBf16Linear):
+        return 2 if method.dot else 1
+    return None

@@ -1,5 +1,5 @@
-"""The CPU's float32 linear method: the weight packed once, when the runtime binds the model,
-into the layout of the kernel that serves a batch of its size.
+"""The CPU's linear methods: the weight packed once, when the runtime binds the model, into the
+layout of the kernel that serves it. A float32 weight (PackedF32Linear):
 
     rows <= thresholds.small_gemm_max_rows   cbgen.cpu.gemm.small_gemm over 32-column panels
                                              (tuned per machine; up to 2,048 rows with AVX2)
@@ -8,6 +8,8 @@ into the layout of the kernel that serves a batch of its size.
 
 A gated MLP's gate-up projection may also apply its activation to small_gemm's tiles as they
 are computed (apply_gated): the [T, 2I] product is never written.
+
+A bfloat16 weight (PackedBf16Linear): bf16 panels, float32 activations in and out.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cbgen.cpu import gemm
+from cbgen.cpu import bf16, gemm
 from cbgen.cpu.linear import pack_weight, packed_linear
+from cbgen.models.base import TORCH_LINEAR
 
 
 @dataclass
@@ -78,3 +81,35 @@ class PackedF32Linear:
         if x.shape[0] > self.thresholds.small_gemm_max_rows:
             return None  # oneDNN's rows: the gate-up product, then the activation
         return gemm.small_gemm_gated(x, panels, activation, self.thresholds.blocked_rows)
+
+
+class PackedBf16Linear:
+    """A bfloat16 weight as bf16 panels for small_gemm_bf16 (cbgen.cpu.bf16), float32 in and
+    out: with dot, bf16 dot products (--dtype bfloat16 where the CPU has them); without, each
+    weight widened in registers, the float32 sums on the weight without an upcast copy
+    (weights kept in bf16 under float32 arithmetic, and --dtype bfloat16 where bf16 is
+    emulated). A method per layer: it holds that layer's panels; what the kernel refuses takes
+    torch's upcast matmul."""
+
+    name = "cpu-bf16"
+
+    def __init__(self, panels: torch.Tensor, k: int, dot: bool) -> None:
+        self.panels = panels
+        self.k = k
+        self.dot = dot
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, dot: bool) -> PackedBf16Linear | None:
+        """None where the weight cannot be packed so (not bf16, N not a multiple of 32, no
+        kernels)."""
+        panels = bf16.pack_panels_bf16(weight)
+        return None if panels is None else cls(panels, weight.shape[1], dot)
+
+    def apply(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32:
+            y = bf16.small_gemm_bf16(x, self.panels, self.k, bias, self.dot)
+            if y is not None:
+                return y
+        return TORCH_LINEAR.apply(x, weight, bias)

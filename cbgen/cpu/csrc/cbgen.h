@@ -56,6 +56,13 @@ int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float
 int64_t cbgen_small_gemm_max_rows(void);
 int64_t cbgen_small_gemm_blocked_rows(void);
 
+/* small_gemm_bf16.c: matmuls over bfloat16 weight panels (x, y float32) */
+int64_t cbgen_bf16_native(void);
+int64_t cbgen_panel_k_bf16(int64_t K);
+void cbgen_pack_panels_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp);
+int cbgen_small_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                          const float *bias, int dot, float *y);
+
 /* activation.c: the gated MLP's activation over a gate-up product */
 void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
 void cbgen_gelu_tanh_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
@@ -91,7 +98,8 @@ typedef struct {
     const float *input_norm, *post_norm;     /* [H] */
     const float *qkv, *qkv_bias;             /* panels of [Q + 2 KV, H]; bias [Q + 2 KV] or NULL */
     const float *q_norm, *k_norm;            /* [D] each, or NULL: no q/k norms */
-    const float *o, *gate_up, *down;         /* panels of [H, Q], [2 I, H], [H, I] */
+    const float *o, *gate_up, *down;         /* panels of [H, Q], [2 I, H], [H, I] (bf16 ones
+                                                cast: cbgen_decoder_f32.weights says) */
     float *k_cache, *v_cache;                /* [num_slots, KV] each */
     const float *cos, *sin;                  /* RoPE tables [positions, head_dim / 2] */
     const float *pre_ff_norm, *post_ff_norm; /* [H] (gemma) */
@@ -102,6 +110,7 @@ typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, num_slots;
     int64_t gemma;             /* Gemma's layers: norms after each block, GeGLU */
     int64_t blocked_rows;      /* small_gemm's row blocks from this many rows on (<= 0: default) */
+    int64_t weights;           /* the panels: 0 float32, 1 bf16 widened, 2 bf16 dot products */
     float eps, scale, softcap; /* softcap 0: none */
     const float *final_norm;   /* [H] */
     const cbgen_layer_f32 *layer;

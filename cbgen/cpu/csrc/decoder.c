@@ -4,7 +4,8 @@
  * path's. Per layer, with residual, x, h [T, H]:
  *
  *   x = add_rmsnorm(residual += h, input_norm)      (no add before the first layer)
- *   qkv = x @ Wqkv (+ bias)                          small_gemm, [T, Q + 2 KV]
+ *   qkv = x @ Wqkv (+ bias)                          small_gemm, [T, Q + 2 KV] (or
+ *                                                    small_gemm_bf16 for bf16 panels)
  *   q and k heads RMSNormed in place                 (models with q/k norms: Qwen3)
  *   rope(q and k, side by side in each row)
  *   write k, v at their slots;  o = paged_decode(q over the cache)
@@ -32,14 +33,31 @@
 /* act [T, I] = SiLU (gelu 0) or GELU (gelu 1) of x @ W_gate times x @ W_up: applied to the
  * matmul's tiles from small_gemm's row blocks on, else the product gu [T, 2I] and then the
  * activation pass (the same bits either way). */
-static void gated(const float *x, int64_t T, int64_t H, const float *gate_up, int64_t I, int gelu,
-                  int64_t blocked, float *gu, float *act) {
-    if (T >= blocked && cbgen_small_gemm_gated_f32(x, T, H, gate_up, I, gelu, act) == 0) return;
-    cbgen_small_gemm_f32(x, T, H, gate_up, 2 * I, 0, blocked, gu);
+/* y [T, N] = x [T, K] @ W^T (+ bias) through the matmul the model's weights are packed for:
+ * float32 panels (weights 0), bf16 panels widened (1) or with bf16 dot products (2). 0, or
+ * small_gemm_bf16's code. */
+static int matmul(const cbgen_decoder_f32 *m, const float *x, int64_t T, int64_t K,
+                  const float *w, int64_t N, const float *bias, int64_t blocked, float *y) {
+    if (m->weights == 0) {
+        cbgen_small_gemm_f32(x, T, K, w, N, bias, blocked, y);
+        return 0;
+    }
+    return cbgen_small_gemm_bf16(x, T, K, (const uint16_t *)w, N, bias, m->weights == 2, y);
+}
+
+static int gated(const cbgen_decoder_f32 *m, const float *x, int64_t T, int64_t H,
+                 const float *gate_up, int64_t I, int gelu, int64_t blocked, float *gu,
+                 float *act) {
+    if (m->weights == 0 && T >= blocked &&
+        cbgen_small_gemm_gated_f32(x, T, H, gate_up, I, gelu, act) == 0)
+        return 0;
+    const int rc = matmul(m, x, T, H, gate_up, 2 * I, 0, blocked, gu);
+    if (rc) return rc;
     if (gelu)
         cbgen_gelu_tanh_mul_f32(gu, T, I, act);
     else
         cbgen_silu_mul_f32(gu, T, I, act);
+    return 0;
 }
 
 /* Floats of workspace a call over T tokens needs. */
@@ -61,36 +79,39 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
     const int64_t blocked = m->blocked_rows > 0 ? m->blocked_rows : cbgen_small_gemm_blocked_rows();
     float *x = work, *h = x + T * H, *a = h + T * H, *qkv = a + T * H, *o = qkv + T * row,
           *gu = o + T * q, *act = gu + T * 2 * I;
+    int rc;
+#define CHECK(call)          \
+    if ((rc = (call)) != 0) \
+        return rc;
     for (int64_t l = 0; l < m->layers; ++l) {
         const cbgen_layer_f32 *L = m->layer + l;
         cbgen_add_rmsnorm_f32(residual, l ? h : 0, L->input_norm, m->eps, T, H, x);
-        cbgen_small_gemm_f32(x, T, H, L->qkv, row, L->qkv_bias, blocked, qkv);
+        CHECK(matmul(m, x, T, H, L->qkv, row, L->qkv_bias, blocked, qkv));
         if (L->q_norm) {
             cbgen_rmsnorm_heads_f32(qkv, row, T, m->heads, D, L->q_norm, m->eps);
             cbgen_rmsnorm_heads_f32(qkv + q, row, T, m->kv_heads, D, L->k_norm, m->eps);
         }
         cbgen_rope_f32(qkv, row, T, m->heads + m->kv_heads, D, positions, L->cos, L->sin);
-        int rc = cbgen_write_kv_f32(qkv + q, row, qkv + q + kv, row, L->k_cache, L->v_cache,
-                                    m->num_slots, slots, T, kv);
-        if (rc) return rc;
-        rc = cbgen_paged_decode_f32(qkv, row, L->k_cache, L->v_cache, block_table, bt_stride,
-                                    seq_lens, T, m->heads, m->kv_heads, D, m->block_size,
-                                    m->scale, L->window, m->softcap, o);
-        if (rc) return rc;
+        CHECK(cbgen_write_kv_f32(qkv + q, row, qkv + q + kv, row, L->k_cache, L->v_cache,
+                                 m->num_slots, slots, T, kv));
+        CHECK(cbgen_paged_decode_f32(qkv, row, L->k_cache, L->v_cache, block_table, bt_stride,
+                                     seq_lens, T, m->heads, m->kv_heads, D, m->block_size,
+                                     m->scale, L->window, m->softcap, o));
         if (m->gemma) {
-            cbgen_small_gemm_f32(o, T, q, L->o, H, 0, blocked, a);
+            CHECK(matmul(m, o, T, q, L->o, H, 0, blocked, a));
             cbgen_add_rmsnorm_f32(a, 0, L->post_norm, m->eps, T, H, h);
             cbgen_add_rmsnorm_f32(residual, h, L->pre_ff_norm, m->eps, T, H, x);
-            gated(x, T, H, L->gate_up, I, 1, blocked, gu, act);
-            cbgen_small_gemm_f32(act, T, I, L->down, H, 0, blocked, a);
+            CHECK(gated(m, x, T, H, L->gate_up, I, 1, blocked, gu, act));
+            CHECK(matmul(m, act, T, I, L->down, H, 0, blocked, a));
             cbgen_add_rmsnorm_f32(a, 0, L->post_ff_norm, m->eps, T, H, h);
         } else {
-            cbgen_small_gemm_f32(o, T, q, L->o, H, 0, blocked, h);
+            CHECK(matmul(m, o, T, q, L->o, H, 0, blocked, h));
             cbgen_add_rmsnorm_f32(residual, h, L->post_norm, m->eps, T, H, x);
-            gated(x, T, H, L->gate_up, I, 0, blocked, gu, act);
-            cbgen_small_gemm_f32(act, T, I, L->down, H, 0, blocked, h);
+            CHECK(gated(m, x, T, H, L->gate_up, I, 0, blocked, gu, act));
+            CHECK(matmul(m, act, T, I, L->down, H, 0, blocked, h));
         }
     }
+#undef CHECK
     cbgen_add_rmsnorm_f32(residual, m->layers ? h : 0, m->final_norm, m->eps, T, H, out);
     return 0;
 }
