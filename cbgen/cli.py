@@ -30,7 +30,7 @@ def info() -> None:
     import torch
 
     from cbgen import __version__
-    from cbgen.models.loader import ModelNotFoundError, default_model_path
+    from cbgen.models.source import ModelNotFoundError, default_model_path
 
     typer.echo(f"cbgen {__version__}, torch {torch.__version__}")
     typer.echo(f"cuda: {torch.cuda.is_available()}, cpu threads: {torch.get_num_threads()}")

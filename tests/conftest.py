@@ -325,7 +325,7 @@ def each_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from cbgen.models.loader import default_model_path
+    from cbgen.models.source import default_model_path
 
     return default_model_path()
 

@@ -75,7 +75,8 @@ COMMON = [
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """config.json of a tiny llama (vocabulary 512: token ids are folded into it) and the
     SmolLM2 tokenizer with its chat template."""
-    from cbgen.models.loader import load_tokenizer, resolve_model
+    from cbgen.models.source import resolve_model
+    from cbgen.models.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-with-tokenizer")
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA))

@@ -16,7 +16,7 @@ from test_run_cli import cli_env, run, tiny, write_jsonl
 
 from cbgen.engine.engine import Engine
 from cbgen.models.hub import parse_hub_id
-from cbgen.models.loader import ModelNotFoundError, resolve_model
+from cbgen.models.source import ModelNotFoundError, resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -24,14 +24,10 @@ from cbgen.models import gguf_file
 from cbgen.models.config import ModelConfig
 from cbgen.models.errors import ModelFileError
 from cbgen.models.gguf_file import GGUFError, GGUFFile
-from cbgen.models.loader import (
-    ModelSource,
-    iter_safetensors_weights,
-    load_model,
-    load_model_config,
-    load_tokenizer,
-)
+from cbgen.models.loader import iter_safetensors_weights, load_model, load_model_config
 from cbgen.models.safetensors_file import check_safetensors
+from cbgen.models.source import ModelSource
+from cbgen.models.tokenizer import load_tokenizer
 
 # ---- a GGUF file, byte by byte ---------------------------------------------------------------
 

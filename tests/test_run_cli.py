@@ -75,7 +75,8 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     final = root / "cbgen-run-tiny-chat"
     if (final / "config.json").exists():
         return final
-    from cbgen.models.loader import load_tokenizer, resolve_model
+    from cbgen.models.source import resolve_model
+    from cbgen.models.tokenizer import load_tokenizer
 
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-chat-"))
     load_tokenizer(resolve_model(None)).save_pretrained(tmp)

@@ -298,7 +298,8 @@ def test_on_a_thinking_model_the_constraint_starts_after_the_reasoning(
 
 
 def test_a_waiting_state_masks_nothing_until_the_end_tag(chat_model: Path) -> None:
-    from cbgen.models.loader import load_tokenizer, resolve_model
+    from cbgen.models.source import resolve_model
+    from cbgen.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(str(chat_model), "dummy"))
     grammars = Grammars(tok, len(tok), [tok.eos_token_id])
@@ -364,7 +365,8 @@ def test_cbgen_run_applies_run_wide_and_row_constraints_and_resume_checks_them(
 
 
 def test_json_object_is_any_compact_object(chat_model: Path) -> None:
-    from cbgen.models.loader import load_tokenizer, resolve_model
+    from cbgen.models.source import resolve_model
+    from cbgen.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(str(chat_model), "dummy"))
     grammars = Grammars(tok, len(tok), [tok.eos_token_id])

@@ -32,7 +32,8 @@ def peer_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     random weights saved by transformers: the folder every peer reads."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from cbgen.models.loader import load_tokenizer, resolve_model
+    from cbgen.models.source import resolve_model
+    from cbgen.models.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-peer-model")
     torch.manual_seed(0)

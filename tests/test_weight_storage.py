@@ -206,7 +206,8 @@ RSS_CONFIG: dict[str, Any] = dict(
 PEAK_RSS_SCRIPT = """
 import json, sys, threading, time
 import torch
-from cbgen.models.loader import load_model, load_model_config, resolve_model
+from cbgen.models.loader import load_model, load_model_config
+from cbgen.models.source import resolve_model
 
 def anon():  # resident anonymous memory (file pages the loader maps are the page cache)
     for line in open("/proc/self/status"):

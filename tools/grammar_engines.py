@@ -211,12 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M)")
     parser.add_argument("--repeat", type=int, default=5, help="walks per case (median kept)")
     args = parser.parse_args(argv)
-    from cbgen.models.loader import (
-        default_model_path,
-        load_model_config,
-        load_tokenizer,
-        resolve_model,
-    )
+    from cbgen.models.loader import load_model_config
+    from cbgen.models.source import default_model_path, resolve_model
+    from cbgen.models.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
     source = resolve_model(args.model or default_model_path(), "auto", None, None)

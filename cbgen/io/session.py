@@ -95,7 +95,7 @@ def _locked_run(
         check_compatible(layout, schema)
         # A bad model path fails here, before any loading; this import brings in torch, so it
         # comes after the cheap checks.
-        from cbgen.models.loader import resolve_model
+        from cbgen.models.source import resolve_model
 
         ec = plan.engine_config
         model = resolve_model(ec.model, ec.load_format, ec.revision, ec.download_dir)
