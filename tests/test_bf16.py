@@ -1,0 +1,231 @@
+"""bfloat16 on the CPU: the bf16 matmul's two ways (widened to float32: small_gemm's bits on the
+upcast weight; bf16 dot products: the bits of a scalar emulation of vdpbf16ps), on every build
+the host can run; which mode --dtype bfloat16 and --dtype auto take, what the start-up line
+says, and the tokens each mode gives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_hf_model
+
+from cbgen.config import SamplingParams
+from cbgen.cpu import bf16, build, gemm
+from cbgen.engine.engine import Engine
+from cbgen.llm import LLM
+from cbgen.runtime import cpu as cpu_runtime
+from cbgen.runtime.cpu import CpuRuntime
+from cbgen.runtime.cpu_decoder import NativeDecoder
+from cbgen.runtime.cpu_linear import PackedBf16Linear
+
+pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
+
+SHAPES = [(1, 64, 64), (7, 96, 577), (20, 64, 33), (40, 128, 130), (33, 32, 2)]
+"""(M, N, K): one row, odd K (a padded pair), tiles of every height, one panel."""
+
+
+def _case(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
+    return weight, torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+
+
+def vdpbf16ps_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 times the bf16 weight as vdpbf16ps sums: per k pair, the odd product
+    then the even one added to a float32 accumulator (each product exact in float32)."""
+    xb = x.to(torch.bfloat16).float().numpy()
+    wb = weight.float().numpy()
+    if xb.shape[1] % 2:
+        xb, wb = np.pad(xb, ((0, 0), (0, 1))), np.pad(wb, ((0, 0), (0, 1)))
+    acc = np.zeros((xb.shape[0], wb.shape[0]), np.float32)
+    for k2 in range(xb.shape[1] // 2):
+        for k in (2 * k2 + 1, 2 * k2):
+            acc = (acc + (xb[:, None, k] * wb[None, :, k]).astype(np.float32)).astype(np.float32)
+    return torch.from_numpy(acc)
+
+
+@pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_widened_bf16_weights_give_small_gemms_bits_on_the_upcast_weight(
+    m: int, n: int, k: int
+) -> None:
+    weight, x, bias = _case(m, n, k, seed=m + n + k)
+    panels = bf16.pack_panels_bf16(weight)
+    f32 = gemm.pack_panels(weight.float())
+    assert panels is not None and f32 is not None
+    for b in (None, bias):
+        got = bf16.small_gemm_bf16(x, panels, k, b, dot=False)
+        assert got is not None and torch.equal(got, gemm.small_gemm(x, f32, b)), (m, n, k)
+
+
+@pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_bf16_dot_products_give_the_bits_of_the_instruction(m: int, n: int, k: int) -> None:
+    """Where the build has them (AVX512_BF16); elsewhere the kernel refuses dot (None)."""
+    weight, x, bias = _case(m, n, k, seed=2 * m + n)
+    panels = bf16.pack_panels_bf16(weight)
+    assert panels is not None
+    got = bf16.small_gemm_bf16(x, panels, k, None, dot=True)
+    if not bf16.native():
+        assert got is None
+        pytest.skip("no AVX512_BF16 in this build: the dot path is not compiled")
+    assert got is not None and torch.equal(got, vdpbf16ps_reference(x, weight))
+    with_bias = bf16.small_gemm_bf16(x, panels, k, bias, dot=True)
+    assert with_bias is not None and torch.equal(with_bias, got + bias)
+
+
+def test_a_bf16_row_does_not_depend_on_its_batch() -> None:
+    weight, x, _ = _case(37, 96, 200, seed=5)
+    panels = bf16.pack_panels_bf16(weight)
+    assert panels is not None
+    for dot in [False, *([True] if bf16.native() else [])]:
+        batch = bf16.small_gemm_bf16(x, panels, 200, None, dot)
+        alone = [bf16.small_gemm_bf16(x[i : i + 1], panels, 200, None, dot) for i in range(37)]
+        assert batch is not None and torch.equal(batch, torch.cat(alone)), dot  # type: ignore[arg-type]
+
+
+def test_what_cannot_be_packed_or_multiplied_says_so() -> None:
+    assert bf16.pack_panels_bf16(torch.zeros(48, 8, dtype=torch.bfloat16)) is None  # 48 % 32
+    assert bf16.pack_panels_bf16(torch.zeros(64, 8)) is None  # float32
+    panels = bf16.pack_panels_bf16(torch.zeros(64, 8, dtype=torch.bfloat16))
+    assert panels is not None
+    with pytest.raises(ValueError, match="x: expected float32"):
+        bf16.small_gemm_bf16(torch.zeros(2, 9), panels, 8, None)
+    with pytest.raises(ValueError, match="packed for another k"):
+        bf16.small_gemm_bf16(torch.zeros(2, 4), panels, 4, None)
+    with pytest.raises(ValueError, match="bias: expected float32"):
+        bf16.small_gemm_bf16(torch.zeros(2, 8), panels, 8, torch.zeros(63))
+
+
+# ---- the engine in bf16 --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama saved in bfloat16 (as most Hub checkpoints are)."""
+    from transformers import AutoModelForCausalLM
+
+    fp32 = make_tiny_hf_model("llama", tmp_path_factory.mktemp("fp32-llama"))
+    folder = tmp_path_factory.mktemp("bf16-llama")
+    model: Any = AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    (folder / "config.json").write_text((fp32 / "config.json").read_text())
+    return folder
+
+
+PROMPTS = [[1, 5, 9, 200, 17] * 3, list(range(30, 70)), [100, 3, 77, 42, 42, 9, 250, 17]]
+
+
+def _engine(model: Path, **options: Any) -> Engine:
+    base: dict[str, Any] = dict(
+        model=str(model), device="cpu", kv_cache_memory=8 << 20, block_size=4, num_threads=1
+    )
+    return Engine(**{**base, **options})
+
+
+def _greedy(engine: Engine, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.output_token_ids for o in LLM(engine=engine).generate(prompts, params)]
+
+
+def _methods(engine: Engine) -> list[Any]:
+    model = engine.model
+    return [model.head_method, *(layer.method for layer in model.linear_layers())]
+
+
+def test_dtype_bfloat16_takes_the_dot_products_where_the_cpu_has_them(
+    bf16_checkpoint: Path,
+) -> None:
+    if not bf16.native():
+        pytest.skip("no AVX512_BF16 here: --dtype bfloat16 widens (the next test)")
+    engine = _engine(bf16_checkpoint, dtype="bfloat16")
+    assert engine.cpu_bf16 == "dot" and engine.dtype == torch.float32
+    assert engine.dtype_name == "bfloat16" and engine.weight_dtype == torch.bfloat16
+    assert all(isinstance(m, PackedBf16Linear) and m.dot for m in _methods(engine))
+    assert "on cpu bfloat16 (bf16 weights and dot products;" in engine.describe()
+    runtime = engine.runtime
+    assert isinstance(runtime, CpuRuntime) and isinstance(runtime.decoder, NativeDecoder)
+    assert runtime.decoder.weights == 2 and runtime.exact_head is None
+    # --dtype auto on a bf16 checkpoint: the same choice (vLLM's, from the CPU's features)
+    assert _engine(bf16_checkpoint).cpu_bf16 == "dot"
+    # ... but float32 where the user keeps weights in bf16 for memory: exact arithmetic
+    kept = _engine(bf16_checkpoint, cpu_weight_dtype="bfloat16")
+    assert kept.cpu_bf16 is None and kept.dtype_name == "float32"
+    assert all(isinstance(m, PackedBf16Linear) and not m.dot for m in _methods(kept))
+
+
+def test_without_bf16_dot_products_bfloat16_widens_and_says_so(
+    bf16_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokens are those of float32 arithmetic on the bf16 weights (the engine that keeps
+    float32 weights rounded to bf16 gives the same), and auto stays float32."""
+    monkeypatch.setattr(cpu_runtime, "bf16_native", lambda: False)
+    engine = _engine(bf16_checkpoint, dtype="bfloat16")
+    assert engine.cpu_bf16 == "widen" and engine.dtype_name == "bfloat16"
+    assert "this CPU has no bf16 dot products" in engine.describe()
+    assert all(isinstance(m, PackedBf16Linear) and not m.dot for m in _methods(engine))
+    assert _engine(bf16_checkpoint).cpu_bf16 is None  # auto: float32 here
+    float32 = _engine(bf16_checkpoint, dtype="float32", cpu_weight_dtype="bfloat16")
+    assert _greedy(engine) == _greedy(float32)
+
+
+def test_the_one_call_decoder_serves_bf16_with_the_python_forwards_hidden_states(
+    bf16_checkpoint: Path,
+) -> None:
+    engine = _engine(bf16_checkpoint, dtype="bfloat16", max_num_batched_tokens=16)
+    runtime = engine.runtime
+    assert isinstance(runtime, CpuRuntime) and runtime.decoder is not None
+    native, model, backend = runtime.decoder, engine.model, engine.backend
+    served: list[int] = []
+
+    def checked(input_ids: Any, positions: Any, kv_caches: Any, meta: Any) -> Any:
+        got = native(input_ids, positions, kv_caches, meta)
+        if got is not None:
+            want = model.forward_layers(input_ids, positions, kv_caches, meta, backend)
+            assert torch.equal(got, want)
+            served.append(input_ids.shape[0])
+        return got
+
+    runtime.decoder = checked  # type: ignore[assignment]
+    assert all(len(t) == 12 for t in _greedy(engine))
+    assert len(served) > 10
+
+
+def test_bf16_dot_products_stay_close_to_float32(bf16_checkpoint: Path) -> None:
+    """Teacher-forced top-1 of the bf16 engine against the float32 engine on the same bf16
+    weights, every position of three sequences: random tiny weights leave near-ties, so the
+    bar is 90 %, and the measured share is reported in the assertion message."""
+    if not bf16.native():
+        pytest.skip("no AVX512_BF16 here: bf16 widens, which is float32 arithmetic")
+    seqs = [p + q for p, q in zip(PROMPTS, reversed(PROMPTS), strict=True)]
+    top1 = {}
+    for dtype in ("bfloat16", "float32"):
+        engine = _engine(bf16_checkpoint, dtype=dtype)
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+        outs = LLM(engine=engine).generate(seqs, params)
+        top1[dtype] = [
+            pos.top_logprobs[0].token_id if pos is not None else None
+            for o in outs
+            for pos in (o.prompt_logprobs or [])
+        ]
+    pairs = [
+        (a, b) for a, b in zip(top1["bfloat16"], top1["float32"], strict=True) if b is not None
+    ]
+    agree = sum(a == b for a, b in pairs) / len(pairs)
+    assert agree >= 0.9, f"teacher-forced top-1 agreement {agree:.3f} over {len(pairs)} positions"
+
+
+def test_an_engine_sharing_weights_must_run_bf16_the_same_way(bf16_checkpoint: Path) -> None:
+    engine = _engine(bf16_checkpoint, dtype="bfloat16")
+    with pytest.raises(ValueError, match="share_weights_with"):
+        Engine(engine.config.replace(dtype="float32"), share_weights_with=engine)
+
+
+def test_float32_checkpoints_stay_float32_under_auto(tiny_model_dir: Callable[[str], Path]) -> None:
+    engine = _engine(tiny_model_dir("llama"))
+    assert engine.cpu_bf16 is None and engine.dtype_name == "float32"
