@@ -3,6 +3,9 @@
 load the model once ─▶ build the workload ─▶ for each column (policy x sweep point):
     fresh Engine sharing the weights ─▶ warm-up ─▶ timed run ─▶ summary
 ─▶ table (+ ratio line), and --output-json / --output-parquet / --plot
+
+Inside each timed run (cbgen.bench.probes): --profile's window of steps, --alternate's two
+paths; over its requests: --structured's JSON schema (cbgen.bench.structured).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from cbgen.bench.probes import AlternateSpec, ProfileSpec, parse_alternate
+from cbgen.bench.structured import Structured, parse_structured
 from cbgen.cli_options import NO_ENGINE_OPTIONS, EngineOptions, engine_options
 from cbgen.config import EngineConfig, parse_size
 from cbgen.cpu.features import cpu_info
@@ -146,6 +151,29 @@ def bench(
         help="One column per value of an engine knob, e.g. max_num_seqs=1,8,32,64 (a value given again is a repeat).",
     ),
     num_warmup: int = typer.Option(4, help="Short requests run on each engine before timing."),
+    structured: str | None = typer.Option(
+        None,
+        help="Constrain outputs to a JSON schema: json (the bench's own: topic, summary, "
+        "keywords, sentiment) or a schema file. A constrained request stops when its JSON is "
+        "complete.",
+    ),
+    structured_share: float = typer.Option(
+        1.0, help="--structured: the share of requests constrained (0.5: every other one)."
+    ),
+    profile: str | None = typer.Option(
+        None,
+        help="Profile a window of each timed run's steps and print the table: torch (torch's "
+        "ops; CUDA kernels on a GPU) | cprofile (Python calls, the C kernels by call site).",
+    ),
+    profile_steps: int = typer.Option(10, help="--profile: steps profiled."),
+    profile_after: int = typer.Option(10, help="--profile: timed steps run before them."),
+    alternate: str | None = typer.Option(
+        None,
+        help="Steps alternate two at a time between the engine's own path and another, in one "
+        "run, and each path's step times are printed: exact_head (against the float32 head) | "
+        "decoder (one C call against the Python forward) | small_gemm_max_rows=ROWS | "
+        "blocked_rows=ROWS (CPU).",
+    ),
     output_json: str | None = typer.Option(None, help="Write the figures as JSON."),
     output_parquet: str | None = typer.Option(None, help="Write one row per request and run."),
     plot: str | None = typer.Option(
@@ -163,6 +191,13 @@ def bench(
             raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
         if workload == "file" and dataset_path is None:
             raise ValueError("dataset_path: --workload file needs --dataset-path")
+        if structured is None and structured_share != 1.0:
+            raise ValueError("structured_share: needs --structured")
+        constraint = None if structured is None else parse_structured(structured, structured_share)
+        profile_spec = (
+            None if profile is None else ProfileSpec(profile, profile_steps, profile_after)
+        )
+        alternate_spec = None if alternate is None else parse_alternate(alternate)
         config = engine.config(scheduling_policy=policy, seed=seed)
         columns = plan_columns(policy, compare, parse_sweep(sweep) if sweep else None)
         for c in columns:
@@ -191,6 +226,9 @@ def bench(
             output_json=output_json,
             output_parquet=output_parquet,
             plot=plot,
+            structured=constraint,
+            profile=profile_spec,
+            alternate=alternate_spec,
         )
     except ModelFileError as e:  # the options were fine, the model's files are not
         typer.echo(f"error: {e}", err=True)
@@ -211,15 +249,20 @@ def run_bench(
     output_parquet: str | None = None,
     plot: str | None = None,
     weights: Engine | None = None,
+    structured: Structured | None = None,
+    profile: ProfileSpec | None = None,
+    alternate: AlternateSpec | None = None,
 ) -> dict[str, Any]:
     """Load once, build the workload, run every column; print and write the report.
     Returns the JSON document (workload, engine, results, ratios). weights: an Engine already
-    holding this model's weights (same model, dtype and device), to skip loading."""
+    holding this model's weights (same model, dtype and device), to skip loading. structured:
+    the requests' constraint; profile, alternate: what to watch inside each timed run."""
     from rich.console import Console
 
     from cbgen.bench import report
     from cbgen.bench.build import build_workload, describe_workload
-    from cbgen.bench.runner import run_workload
+    from cbgen.bench.probes import Probes
+    from cbgen.bench.runner import bench_params, run_workload
     from cbgen.bench.workloads import poisson_arrivals
     from cbgen.engine.engine import Engine
 
@@ -235,18 +278,24 @@ def run_bench(
     requests, workload_info = build_workload(holder, workload, options)
     arrivals = poisson_arrivals(len(requests), options.get("request_rate"), options["seed"])
     workload_info.update(describe_workload(requests))
+    if structured is not None:
+        workload_info["structured"] = structured.describe(len(requests))
     err.print(
         f"workload {workload}: {len(requests)} requests, "
         f"{workload_info['prompt_tokens']} prompt + {workload_info['output_tokens']} output tokens"
     )
 
     runs = []
+    notes = []
     description = ""
     for c in columns:
         engine = Engine(
             config.replace(scheduling_policy=c.policy, **c.overrides), share_weights_with=holder
         )
         description = description or engine.describe()
+        if structured is not None:  # ValueError if it does not compile; compiled before timing
+            engine.grammars.compile(structured.spec)
+        probes = Probes(engine.runtime, engine.device.type == "cuda", profile, alternate)
         err.print(f"running {c.label} ...")
         t0 = time.perf_counter()
 
@@ -265,8 +314,11 @@ def run_bench(
             seed=options["seed"],
             num_warmup=num_warmup,
             progress=report_progress,
+            params=bench_params if structured is None else structured.params,
+            hooks=probes.hooks,
         )
         run.overrides = dict(c.overrides)
+        notes.append(probes.collect(run))
         runs.append(run)
         err.print(
             f"  {c.label}: {run.wall_s:.1f} s timed ({time.perf_counter() - t0:.1f} s with warm-up)"
@@ -290,6 +342,8 @@ def run_bench(
     out.print(report.render_table(results, ratio_columns, title))
     for name, r in ratio_columns.items():
         out.print(report.ratio_line(name, r))
+    for note in filter(None, notes):  # tables of their own: printed as they are
+        out.print(note, markup=False, highlight=False, soft_wrap=True)
     if output_json:
         report.write_json(output_json, workload_info, engine_info, results, ratio_columns)
     if output_parquet:
@@ -312,7 +366,7 @@ def _engine_info(holder: Engine, description: str, config: EngineConfig) -> dict
         "description": description,
         "load_time_s": holder.load_time_s,
         "device": str(holder.device),
-        "dtype": str(holder.dtype).removeprefix("torch."),
+        "dtype": holder.dtype_name,
         "cpu": cpu_info().describe(),
         "config": {k: v for k, v in config.to_dict().items() if k != "scheduling_policy"},
     }

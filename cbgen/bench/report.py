@@ -93,6 +93,7 @@ def summarize(run: RunResult) -> Summary:
         "cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "step_cached_tokens": sum(s.num_cached_tokens for s in run.steps),
         "other_load": run.other_load,
+        **run.extra,
     }
 
 

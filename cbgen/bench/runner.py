@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import psutil
@@ -24,7 +25,7 @@ import psutil
 from cbgen.bench.workloads import BenchRequest
 from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
-from cbgen.engine.outputs import RequestOutput
+from cbgen.engine.outputs import RequestOutput, StepStats
 from cbgen.engine.request import Request
 from cbgen.engine.static_scheduler import PaddingStats
 
@@ -85,6 +86,23 @@ class RunResult:
     other_load: float = float("nan")
     """Cores kept busy by other processes during the timed run (see cpu_busy_s)."""
     overrides: dict[str, object] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Figures a step hook adds to the summary (cbgen.bench.probes: profile, alternation)."""
+
+
+class StepHook(Protocol):
+    """Called around every step of a timed run (index: the step's, from 0), and once at its
+    end, also when the run fails: a profiler's window, a path switched on and off."""
+
+    def before_step(self, index: int) -> None: ...
+
+    def after_step(self, index: int, stats: StepStats) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+Params = Callable[[BenchRequest, int, int], SamplingParams]
+"""(request, its index in the workload, seed) -> its sampling parameters."""
 
 
 def bench_params(request: BenchRequest, index: int, seed: int) -> SamplingParams:
@@ -144,10 +162,12 @@ def run_workload(
     num_warmup: int = 4,
     progress: Callable[[int, int, int, float], None] | None = None,
     progress_every_s: float = 15.0,
+    params: Params = bench_params,
+    hooks: Sequence[StepHook] = (),
 ) -> RunResult:
     """Run every request through the engine, each added at start + its arrival offset.
     progress(done, total, output tokens so far, seconds since start) is called every
-    progress_every_s seconds while it runs."""
+    progress_every_s seconds while it runs; hooks around every timed step."""
     if len(arrivals) != len(requests):
         raise ValueError(f"arrivals: {len(arrivals)} given for {len(requests)} requests")
     warmup_s = warm_up(engine, num_warmup, seed)
@@ -162,49 +182,57 @@ def run_workload(
     start = time.perf_counter()
     next_report = start + progress_every_s
     tokens_done = 0
-    while order or engine.has_unfinished_requests():
-        now = time.perf_counter()
-        while order and start + arrivals[order[0]] <= now:
-            i = order.popleft()
-            r = requests[i]
-            arrival = start + arrivals[i]
-            try:
-                req = engine.add_request(
-                    r.request_id, r.prompt_token_ids, bench_params(r, i, seed), arrival
-                )
-            except ValueError as e:
-                records[r.request_id] = _error_record(r, arrivals[i], str(e))
+    try:
+        while order or engine.has_unfinished_requests():
+            now = time.perf_counter()
+            while order and start + arrivals[order[0]] <= now:
+                i = order.popleft()
+                r = requests[i]
+                arrival = start + arrivals[i]
+                try:
+                    req = engine.add_request(
+                        r.request_id, r.prompt_token_ids, params(r, i, seed), arrival
+                    )
+                except ValueError as e:
+                    records[r.request_id] = _error_record(r, arrivals[i], str(e))
+                    continue
+                live[r.request_id] = (req, arrivals[i])
+            if not engine.has_unfinished_requests():
+                if order:
+                    time.sleep(max(0.0, start + arrivals[order[0]] - time.perf_counter()))
                 continue
-            live[r.request_id] = (req, arrivals[i])
-        if not engine.has_unfinished_requests():
-            if order:
-                time.sleep(max(0.0, start + arrivals[order[0]] - time.perf_counter()))
-            continue
-        out = engine.step()
-        st = out.stats
-        steps.append(
-            StepRecord(
-                t_s=st.time - start,
-                duration_s=st.duration_s,
-                num_running=st.num_running,
-                num_scheduled=st.num_scheduled,
-                num_waiting=st.num_waiting,
-                num_kv_blocks_used=st.num_kv_blocks_used,
-                num_kv_blocks_total=st.num_kv_blocks_total,
-                num_prefill_tokens=st.num_prefill_tokens,
-                num_decode_tokens=st.num_decode_tokens,
-                num_cached_tokens=st.num_cached_tokens,
-                num_preempted=st.num_preempted,
+            for hook in hooks:
+                hook.before_step(len(steps))
+            out = engine.step()
+            st = out.stats
+            for hook in hooks:
+                hook.after_step(len(steps), st)
+            steps.append(
+                StepRecord(
+                    t_s=st.time - start,
+                    duration_s=st.duration_s,
+                    num_running=st.num_running,
+                    num_scheduled=st.num_scheduled,
+                    num_waiting=st.num_waiting,
+                    num_kv_blocks_used=st.num_kv_blocks_used,
+                    num_kv_blocks_total=st.num_kv_blocks_total,
+                    num_prefill_tokens=st.num_prefill_tokens,
+                    num_decode_tokens=st.num_decode_tokens,
+                    num_cached_tokens=st.num_cached_tokens,
+                    num_preempted=st.num_preempted,
+                )
             )
-        )
-        for o in out.finished:
-            req, arrival_s = live.pop(o.request_id)
-            records[o.request_id] = _record(o, req, arrival_s)
-            tokens_done += o.num_output_tokens
-        if progress is not None and st.time >= next_report:
-            progress(len(records), len(requests), tokens_done, st.time - start)
-            next_report = st.time + progress_every_s
-    wall_s = time.perf_counter() - start
+            for o in out.finished:
+                req, arrival_s = live.pop(o.request_id)
+                records[o.request_id] = _record(o, req, arrival_s)
+                tokens_done += o.num_output_tokens
+            if progress is not None and st.time >= next_report:
+                progress(len(records), len(requests), tokens_done, st.time - start)
+                next_report = st.time + progress_every_s
+        wall_s = time.perf_counter() - start
+    finally:  # a hook that switched a path puts it back, even after a failure
+        for hook in hooks:
+            hook.finish()
     busy1, own1 = cpu_busy_s()
     other_load = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall_s if wall_s > 0 else float("nan")
     padding = engine.padding_stats
