@@ -1,4 +1,4 @@
-"""The measurement tools of `tools/` on tiny random-weight models: the step profiler, and the
+"""The measurement tools of `tools/` on tiny random-weight models: the LM head bench, and the
 peer comparison end to end (ShareGPT sampling, the matmul peak, and each worker in its own
 process), so that a change to the engine's API cannot leave them broken unnoticed."""
 
@@ -16,7 +16,7 @@ import torch
 
 from cbgen.cpu import build, head_kernels
 from cbgen.engine.outputs import StepStats
-from tools import compare_peers, head_bench, profile_step
+from tools import compare_peers, head_bench
 from tools.cbgen_worker import attention_flops, flop_summary, keys_read
 
 TINY_LLAMA_SMOLLM2_VOCAB = dict(
@@ -47,23 +47,6 @@ def peer_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     load_tokenizer(resolve_model(None)).save_pretrained(folder)
     return folder
-
-
-def test_profile_step_profiles_the_steps_of_a_tiny_run(capsys: pytest.CaptureFixture[str]) -> None:
-    profile_step.main(
-        [
-            "--model", "tiny-llama", "--load-format", "dummy", "--num-threads", "1",
-            "--num", "2", "--prompt", "8", "--output", "3", "--max-num-seqs", "2",
-            "--kv-cache-memory", str(1 << 20), "--cprofile", "--profile-after", "1", "--profile-steps", "5",
-        ]
-    )  # fmt: skip
-    out = capsys.readouterr().out
-    # One step prefills both prompts (and samples their first tokens), two more decode both:
-    # the run ends inside the profiling window, which then covers the two decode steps.
-    assert "profiled 2 steps (4 decode tokens)" in out
-    assert "function calls" in out  # cProfile's table
-    assert re.search(r"steps 3 prompt \d+ out 6 ", out)
-    assert "full decode step median" in out and "(2 steps)" in out
 
 
 def force_exact_head(head: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,66 +83,6 @@ def test_head_bench_times_both_heads_and_checks_their_tokens(
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "5"]
     assert all(r.rstrip().endswith("|") and "x |" in r for r in rows)
-
-
-@pytest.mark.parametrize(
-    ("flag", "with_it", "without"),
-    [
-        pytest.param("--alternate-head", "Bf16Head", "float32 head", id="head-bf16"),
-        pytest.param("--alternate-head", "Int16Head", "float32 head", id="head-int16"),
-        pytest.param(
-            "--alternate-decoder",
-            "one C call",
-            "Python forward",
-            marks=pytest.mark.skipif(build.load_library() is None, reason=build.native_status()),
-        ),
-        pytest.param(
-            "--alternate-blocked=1",
-            r"row blocks from \d+ rows",
-            "row blocks from 1 rows",
-            marks=pytest.mark.skipif(build.load_library() is None, reason=build.native_status()),
-        ),
-        pytest.param(
-            "--alternate-matmul=1",
-            r"small_gemm up to \d+ rows",
-            "small_gemm up to 1 rows",
-            marks=pytest.mark.skipif(build.load_library() is None, reason=build.native_status()),
-        ),
-    ],
-)
-def test_profile_step_alternates_two_paths(
-    flag: str,
-    with_it: str,
-    without: str,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The exact LM heads (each forced) against the float32 one; the forward pass in one C call
-    against the Python one; small_gemm up to the tuned row count against oneDNN past one row."""
-    if flag == "--alternate-head":
-        force_exact_head(with_it, monkeypatch)
-    profile_step.main(
-        [
-            "--model", "tiny-llama", "--load-format", "dummy", "--num-threads", "1",
-            "--num", "2", "--prompt", "8", "--output", "9", "--max-num-seqs", "2",
-            "--kv-cache-memory", str(1 << 20), flag,
-        ]
-    )  # fmt: skip
-    out = capsys.readouterr().out
-    # the prompts' step went to one of the two
-    assert re.search(r"steps with prompt tokens [\d.]+ tokens/s \(1 steps, \d+ tokens\)", out), out
-    # steps 0-1 with it, 2-3 without, ...: of the 8 full decode steps (1-8), 4 each
-    for label in (with_it, without):
-        assert re.search(rf"{label}: full decode step median [\d.]+ ms \(4 steps\)", out), out
-
-
-def test_profile_step_rejects_two_profilers() -> None:
-    with pytest.raises(SystemExit):
-        profile_step.parse_args(["--torch-profile", "--cprofile"])
-    with pytest.raises(SystemExit):
-        profile_step.parse_args(["--alternate-head", "--alternate-decoder"])
-    with pytest.raises(SystemExit):
-        profile_step.parse_args(["--alternate-decoder", "--alternate-matmul", "64"])
 
 
 def step(prefill: int, decode: int, scheduled: int, duration_s: float) -> StepStats:
