@@ -1,22 +1,19 @@
-"""The measurement tools of `tools/` on tiny random-weight models: the LM head bench, and the
-peer comparison end to end (ShareGPT sampling, the matmul peak, and each worker in its own
-process), so that a change to the engine's API cannot leave them broken unnoticed."""
+"""The measurement tools of `tools/` on tiny random-weight models: the peer comparison end to
+end (ShareGPT sampling, the matmul peak, and each worker in its own process), so that a change
+to the engine's API cannot leave it broken unnoticed."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
-import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from cbgen.cpu import build, head_kernels
 from cbgen.engine.outputs import StepStats
-from tools import compare_peers, head_bench
+from tools import compare_peers
 from tools.cbgen_worker import attention_flops, flop_summary, keys_read
 
 TINY_LLAMA_SMOLLM2_VOCAB = dict(
@@ -47,42 +44,6 @@ def peer_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     load_tokenizer(resolve_model(None)).save_pretrained(folder)
     return folder
-
-
-def force_exact_head(head: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runtime made to give models the exact LM head `head` ("Bf16Head" or "Int16Head"),
-    whichever this CPU's flags, build and tuning would choose; skipped where it cannot run."""
-    from cbgen.cpu import tuning
-    from cbgen.cpu.linear import bf16_matmul_supported
-    from cbgen.runtime import cpu as cpu_runtime
-
-    if build.load_library() is None:
-        pytest.skip(build.native_status())
-    if head == "Bf16Head" and not bf16_matmul_supported():
-        pytest.skip("no oneDNN bf16 matmul on this CPU (AVX-512 needed)")
-    if head == "Int16Head" and not head_kernels.head_i16_available():
-        pytest.skip("no int16 head in this build (x86-64 with AVX2)")
-    monkeypatch.setattr(cpu_runtime, "bf16_matmul_fast", lambda: head == "Bf16Head")
-    tuned = tuning.for_this_machine()
-    assert tuned is not None
-    forced = dataclasses.replace(tuned, int16_head=head == "Int16Head")
-    monkeypatch.setattr(tuning, "for_this_machine", lambda: forced)
-
-
-@pytest.mark.parametrize("head", ["Bf16Head", "Int16Head"])
-def test_head_bench_times_both_heads_and_checks_their_tokens(
-    head: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    force_exact_head(head, monkeypatch)
-    head_bench.main(
-        ["--model", "tiny-llama", "--load-format", "dummy", "--batch", "1,5", "--reps", "2",
-         "--max-tokens", "3", "--kv-cache-memory", str(1 << 20)]
-    )  # fmt: skip
-    out = capsys.readouterr().out
-    assert out.startswith(f"{head}: ")
-    rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
-    assert [r.split("|")[1].strip() for r in rows] == ["1", "5"]
-    assert all(r.rstrip().endswith("|") and "x |" in r for r in rows)
 
 
 def step(prefill: int, decode: int, scheduled: int, duration_s: float) -> StepStats:
