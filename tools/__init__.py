@@ -1,9 +1,10 @@
 """Maintained measurement tools, run from the repository root as `python -m tools.<name>`:
 
-    compare_peers   one workload through cbgen, transformers and vLLM's CPU build, one table
-    gpu_check       the offline GPU check (sections in gpu_sections, models in gpu_fixtures)
-    attention_sweep on a GPU: decode attention tiles and an 8B layer's matmuls, timed
-    grammar_engines structured outputs: xgrammar, llguidance and outlines-core compared
+    compare_peers            one workload through cbgen, transformers and vLLM's CPU build
+    gpu_check                the offline GPU check, with gpu_sections and gpu_fixtures
+    attention_sweep          on a GPU: decode attention tiles and an 8B layer's matmuls, timed
+    prefill_attention_bench  on the CPU: the C prefill attention against the decode kernel and
+                             SDPA by chunk shape (where the build's prefill split comes from)
 
 Where a step's time goes, two kernel paths alternating in one run, and what structured outputs
 cost are `cbgen bench` options (--profile, --alternate, --structured: docs/BENCH.md).
