@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
-from cbgen.engine import engine as engine_mod
 from cbgen.engine import memory
 from cbgen.engine.engine import Engine
 from cbgen.engine.memory import GiB, check_cpu_memory, cpu_model_bytes
@@ -29,7 +29,7 @@ def test_the_estimate_counts_the_packed_copies_of_float32_weights() -> None:
 def test_an_8b_model_in_float32_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     """llama-8b in float32 needs ~90 GiB here; allocating it would take minutes and the machine."""
     monkeypatch.setattr(
-        engine_mod.psutil,
+        psutil,
         "virtual_memory",
         lambda: SimpleNamespace(available=20 * GiB, total=24 * GiB),
     )

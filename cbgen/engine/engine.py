@@ -1,35 +1,50 @@
-"""Engine: add_request, step, and everything discovered at start-up (device, KV blocks, EOS).
+"""Engine: add_request, step, and the start-up that puts its parts together (device, model,
+KV blocks, scheduler, runner, EOS; the steps of it in cbgen.engine.startup).
 
 step():  schedule -> runner.execute -> scheduler.update_from_output -> stop strings
          -> StepOutput(finished requests, stats)
+
+Prompts become token ids in cbgen.engine.prompts; finished requests become text and
+RequestOutputs in cbgen.engine.detokenize.
+
+Longer than 400 lines: the Engine is the one object its callers hold, and its start-up reads in
+order in __init__ (each step's work in startup.py), next to the request and step paths that use
+what it set up.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any, cast
 
-import psutil
 import torch
 
 from cbgen.attention import get_attention_backend
 from cbgen.config import EngineConfig, SamplingParams
-from cbgen.engine.cuda_graphs import capture_sizes, graph_memory_reserve, graphs_unavailable
-from cbgen.engine.kv_cache import KVCacheManager
-from cbgen.engine.logprobs import TokenLogprob, with_text
+from cbgen.engine.cuda_graphs import capture_sizes, graphs_unavailable
+from cbgen.engine.detokenize import Detokenizer
 from cbgen.engine.memory import plan_cpu_weights
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
-from cbgen.engine.profile import cap_allocator, cuda_memory_in_use, profile_peak_memory
+from cbgen.engine.prompts import Prompts
 from cbgen.engine.request import Request, RequestStatus
 from cbgen.engine.runner import ModelRunner, NewRequestInfo, RunnerOutput
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
+from cbgen.engine.startup import (
+    GiB,
+    check_cuda_memory,
+    kv_bytes_per_block,
+    make_kv_cache,
+    make_scheduler,
+    num_kv_blocks,
+    profile_cuda_kv_budget,
+    resolve_device,
+    resolve_dtype,
+)
 from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
 from cbgen.engine.structured import Grammars, GrammarState, reasoning_open
-from cbgen.metrics import RequestMetrics
 from cbgen.models.base import CausalLM
 from cbgen.models.loader import load_model, load_model_config, stored_weight_dtype
 from cbgen.models.source import resolve_model
@@ -37,28 +52,6 @@ from cbgen.models.tokenizer import load_tokenizer
 from cbgen.runtime import Runtime, bind, cpu_bf16_mode
 
 logger = logging.getLogger("cbgen")
-
-GiB = 1 << 30
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda was asked for but torch sees no CUDA device")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
-
-
-def default_cpu_kv_cache_memory() -> int:
-    """A quarter of available memory, at most 4 GiB."""
-    return int(min(4 * GiB, psutil.virtual_memory().available // 4))
 
 
 class Engine:
@@ -151,40 +144,31 @@ class Engine:
             self.runtime = bind(
                 self.model, self.device, self.dtype, config.num_threads, self.cpu_bf16 == "dot"
             )
-        self._bad_words_ids: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
+        self.prompts = Prompts(self.tokenizer, mc.vocab_size)
+        """Prompts and chats to token ids; bad_words to theirs."""
+        self.detokenizer = Detokenizer(self.tokenizer)
+        """Finished requests to text and RequestOutputs."""
         self._grammars: Grammars | None = None  # built when a request first has a constraint
         self.load_time_s = time.perf_counter() - t0
         self.memory_plan: dict[str, int] = {}
         """On CUDA without kv_cache_memory: the profile's peak, the graphs' reserve, the budget
         and, after start-up, what torch and everything else hold (bytes)."""
-        self.num_blocks = self._num_kv_blocks()
-        # Blocks out of every layer's window go back while a request runs (continuous
-        # scheduling), which needs a window in every layer.
-        windows = [w for w in mc.layer_windows if w is not None]
-        release = len(windows) == mc.num_hidden_layers and config.scheduling_policy != "static"
-        self.kv = KVCacheManager(
-            self.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            max(windows) if release else None,
+        self.num_blocks = num_kv_blocks(
+            config,
+            self.device,
+            self.kv_bytes_per_block,
+            lambda: profile_cuda_kv_budget(
+                self.model,
+                self.backend,
+                config,
+                self.max_model_len,
+                self.dtype,
+                self.device,
+                self.memory_plan,
+            ),
         )
-        self.scheduler: Scheduler
-        if config.scheduling_policy == "static":
-            self.scheduler = StaticScheduler(
-                self.kv,
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-                config.enable_chunked_prefill,
-                static_batch_size=config.static_batch_size,
-                max_model_len=self.max_model_len,
-            )
-        else:
-            self.scheduler = Scheduler(
-                self.kv,
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-                config.enable_chunked_prefill,
-            )
+        self.kv = make_kv_cache(config, mc, self.num_blocks)
+        self.scheduler: Scheduler = make_scheduler(config, self.kv, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
             self.backend,
@@ -212,102 +196,19 @@ class Engine:
                     graphs.capture_time_s,
                 )
         if self.device.type == "cuda" and config.kv_cache_memory is None:
-            self._check_cuda_memory()
+            check_cuda_memory(config, self.device, self.memory_plan)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None and mc.eos_token_ids:
             eos = mc.eos_token_ids[0]
         self.eos_token_id: int | None = eos
         self._request_counter = 0
-        self._token_texts: dict[int, str | None] = {}
         self.total_preemptions = 0
         self.init_time_s = time.perf_counter() - t0
 
     # ---- start-up --------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        mc = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return (
-            2
-            * self.config.block_size
-            * mc.num_key_value_heads
-            * mc.head_dim
-            * elem
-            * mc.num_hidden_layers
-        )
-
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.kv_cache_memory is not None:
-            budget = cfg.kv_cache_memory
-            if self.device.type == "cpu":
-                # The CPU cache is mapped lazily: too large a size would not fail here but
-                # when its blocks fill up, mid-run. Refuse what the machine cannot hold.
-                total = psutil.virtual_memory().total
-                if budget > total:
-                    raise ValueError(
-                        f"kv_cache_memory: {budget / GiB:.1f} GiB is more than this machine's "
-                        f"{total / GiB:.1f} GiB of memory"
-                    )
-        elif self.device.type == "cuda":
-            budget = self._profile_cuda_kv_budget()
-        else:
-            budget = default_cpu_kv_cache_memory()
-        num_blocks = budget // self.kv_bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory: {budget} bytes hold no KV block "
-                f"({self.kv_bytes_per_block} bytes each)"
-            )
-        return int(num_blocks)
-
-    def _profile_cuda_kv_budget(self) -> int:
-        """Run one forward pass at the full token budget, then give the KV cache what is left
-        of gpu_memory_utilization x total memory."""
-        peak = profiled = profile_peak_memory(
-            self.model, self.backend, self.config, self.max_model_len, self.dtype, self.device
-        )
-        if graphs_unavailable(self.device, self.backend.name, self.config.enforce_eager) is None:
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            peak += graph_memory_reserve(
-                peak - weights,
-                self.config.max_num_batched_tokens,
-                capture_sizes(self.config.max_num_seqs),
-                self.model_config.hidden_size * elem,
-            )
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        self.memory_plan["profiled_peak"] = profiled
-        self.memory_plan["graph_reserve"] = peak - profiled
-        budget = int(total * self.config.gpu_memory_utilization) - peak
-        if budget <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves no room for a KV "
-                f"cache (model and activations take {peak / GiB:.2f} GiB of {total / GiB:.2f} GiB)"
-            )
-        return budget
-
-    def _check_cuda_memory(self) -> None:
-        """After the KV cache and the graphs: what the device holds against the budget the
-        profile planned for (memory_plan), a warning when it is over; then torch's allocator is
-        capped at the budget less what is held outside it. Steps of changing sizes leave the
-        allocator's cache holding partly used segments (0.4 GiB past the allocated peak in a
-        256-request run on an H200): at the cap it frees cached blocks instead of growing."""
-        reserved, outside = cuda_memory_in_use(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = self.config.gpu_memory_utilization * total
-        self.memory_plan.update(budget=int(budget), reserved=reserved, outside_torch=outside)
-        cap_allocator(self.device, budget, reserved, outside)
-        if reserved + outside > budget:
-            logger.warning(
-                "GPU memory: %.2f GiB held (%.2f in torch, %.2f outside) after start-up, over the "
-                "%.2f GiB that gpu_memory_utilization %.2f allows",
-                (reserved + outside) / GiB,
-                reserved / GiB,
-                outside / GiB,
-                budget / GiB,
-                self.config.gpu_memory_utilization,
-            )
+        return kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
 
     def describe(self) -> str:
         tokens = self.num_blocks * self.config.block_size
@@ -354,18 +255,11 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: give prompts as token ids")
-        return list(self.tokenizer(prompt)["input_ids"])
+        return self.prompts.tokenize(prompt)
 
     def reasoning_tags(self) -> tuple[str, str] | None:
-        """('<think>', '</think>') when the tokenizer has both as tokens of their own (a
-        thinking model: Qwen3, DeepSeek-R1 and their kind), else None."""
-        if self.tokenizer is None:
-            return None
-        vocab = self.tokenizer.get_vocab()
-        tags = ("<think>", "</think>")
-        return tags if all(t in vocab for t in tags) else None
+        """('<think>', '</think>') on a thinking model, else None (Prompts.reasoning_tags)."""
+        return self.prompts.reasoning_tags()
 
     def apply_chat_template(
         self,
@@ -376,29 +270,14 @@ class Engine:
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The chat's token ids through the model's chat template (or `chat_template`, a Jinja
-        text), as transformers renders it; template_kwargs reach the template (for example
-        enable_thinking). continue_final_message leaves the last (assistant) message open."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: give prompts as token ids")
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
-                "this model has no chat template: give a plain prompt or --chat-template"
-            )
-        if add_generation_prompt and continue_final_message:
-            raise ValueError(
-                "continue_final_message: cannot be combined with add_generation_prompt "
-                "(set add_generation_prompt to false)"
-            )
-        text = self.tokenizer.apply_chat_template(
-            list(messages),
+        """The chat's token ids through the model's chat template (Prompts.apply_chat_template)."""
+        return self.prompts.apply_chat_template(
+            messages,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            tokenize=False,
-            **(template_kwargs or {}),
+            template_kwargs=template_kwargs,
         )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def add_request(
         self,
@@ -488,39 +367,8 @@ class Engine:
             )
 
     def bad_words_token_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-        """The token sequences params.bad_words may appear as, as vLLM finds them: each word
-        (less leading spaces) tokenized as is, and after a space when that gives a different
-        first token and as many tokens (the word inside a text)."""
-        if not params.bad_words:
-            return ()
-        words = tuple(params.bad_words)
-        hit = self._bad_words_ids.get(words)
-        if hit is None:  # validate_request and add_request (and a row's n samples) ask alike
-            hit = self._tokenize_bad_words(words)
-            if len(self._bad_words_ids) >= 1024:
-                self._bad_words_ids.clear()
-            self._bad_words_ids[words] = hit
-        return hit
-
-    def _tokenize_bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        if self.tokenizer is None:
-            raise ValueError("bad_words: this model has no tokenizer (use logit_bias instead)")
-        vocab = self.model_config.vocab_size
-        found: list[tuple[int, ...]] = []
-        for word in words:
-            alone, spaced = (
-                tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                for text in (word.lstrip(), " " + word.lstrip())
-            )
-            if not alone:
-                raise ValueError(f"bad_words: {word!r} has no tokens")
-            found.append(alone)
-            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
-                found.append(spaced)
-        bad = next((t for ids in found for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"bad_words: token id {bad} is outside the vocabulary [0, {vocab})")
-        return tuple(found)
+        """The token sequences params.bad_words may appear as (Prompts.bad_words_token_ids)."""
+        return self.prompts.bad_words_token_ids(params)
 
     @property
     def grammars(self) -> Grammars:
@@ -577,7 +425,7 @@ class Engine:
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         reqs = [self.scheduler.requests[r] for r in request_ids if r in self.scheduler.requests]
         self.scheduler.finish(reqs, time.perf_counter(), RequestStatus.FINISHED_ABORTED)
-        return [self._output(r) for r in reqs]
+        return [self.detokenizer.output(r) for r in reqs]
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -593,7 +441,7 @@ class Engine:
             finished += self._finish_grammars(result.grammar_done, now)
         self.total_preemptions += len(out.preempted_ids)
         return StepOutput(
-            finished=[self._output(r) for r in finished],
+            finished=[self.detokenizer.output(r) for r in finished],
             stats=self._stats(out, t0, now),
         )
 
@@ -632,7 +480,7 @@ class Engine:
                 continue
             if req.num_output_tokens < req.sampling_params.min_tokens:
                 continue
-            stop = self._find_stop_string(req)
+            stop = self.detokenizer.find_stop_string(req)
             if stop is None:
                 continue
             req.stop_reason = stop
@@ -642,62 +490,6 @@ class Engine:
         if hits:
             self.scheduler.finish(hits, now)
         return hits
-
-    def _find_stop_string(self, req: Request) -> str | None:
-        """The stop string that the newest tokens complete, if any. Only the tail is decoded:
-        a stop string of L characters spans at most L tokens (plus a few partial bytes)."""
-        stops = req.sampling_params.stop
-        window = max(len(s) for s in stops) + 8
-        text = self._decode(req.output_token_ids[-window:])
-        found = [(text.find(s), s) for s in stops if s in text]
-        return min(found)[1] if found else None
-
-    def _decode(self, token_ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def _token_text(self, token_id: int) -> str | None:
-        """One token's text alone, special tokens included (vLLM's logprob token); memoised."""
-        text = self._token_texts.get(token_id)
-        if text is None and self.tokenizer is not None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def _logprobs_of(self, req: Request) -> dict[str, Any]:
-        """RequestOutput's logprob fields: None where the request did not ask."""
-        params = req.sampling_params
-        fields: dict[str, Any] = {}
-        if params.logprobs is not None:
-            fields["logprobs"] = with_text(req.logprobs, self._token_text)
-            fields["cumulative_logprob"] = math.fsum(p.logprob for p in req.logprobs)
-        if params.prompt_logprobs is not None:
-            scored: list[TokenLogprob | None] = [None]
-            fields["prompt_logprobs"] = scored + with_text(req.prompt_logprobs, self._token_text)
-        return fields
-
-    def _output(self, req: Request) -> RequestOutput:
-        tokens = req.output_token_ids
-        if req.status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str):
-            tokens = tokens[:-1]  # the stop token (EOS or a stop id) is not part of the text
-        text = self._decode(tokens)
-        if isinstance(req.stop_reason, str) and req.stop_reason in text:
-            text = text[: text.index(req.stop_reason)]
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=list(req.output_token_ids),
-            text=text,
-            finish_reason=req.status.finish_reason or "abort",
-            error=None,
-            num_preemptions=req.num_preemptions,
-            num_cached_tokens=req.num_cached_tokens,
-            stop_reason=req.stop_reason,
-            metrics=RequestMetrics.from_times(
-                req.arrival_time, req.first_scheduled_time, req.token_times, req.finished_time
-            ),
-            **self._logprobs_of(req),
-        )
 
     def _stats(self, out: SchedulerOutput, t0: float, now: float) -> StepStats:
         return StepStats(
