@@ -1,17 +1,21 @@
-"""The measurement tools of `tools/` on tiny random-weight models: the peer comparison end to
-end (ShareGPT sampling, the matmul peak, and each worker in its own process), so that a change
-to the engine's API cannot leave it broken unnoticed."""
+"""The measurement tools of `tools/` on tiny inputs: the peer comparison end to end on a tiny
+random-weight model (ShareGPT sampling, the matmul peak, and each worker in its own process),
+and the prefill-attention bench on two small chunks, so that a change to the engine's API or
+the kernels' cannot leave them broken unnoticed."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from cbgen.cpu import build
 from cbgen.engine.outputs import StepStats
 from tools import compare_peers
 from tools.cbgen_worker import attention_flops, flop_summary, keys_read
@@ -210,3 +214,23 @@ def test_the_peak_is_the_higher_of_the_measurements_before_and_after_the_runs() 
         best = compare_peers.best_peak(a, b)
         assert best["gflops"] == 139.5 and best["reps"] == 11.0
         assert (best["gflops_before"], best["gflops_after"]) == (a["gflops"], b["gflops"])
+
+
+@pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
+def test_the_prefill_attention_bench_times_each_chunk_three_ways() -> None:
+    """Run as it is run (its own process: it sets OMP_NUM_THREADS before the kernels load)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.prefill_attention_bench", "--reps", "2",
+         "--shapes", "4x0,2x16", "--heads", "2", "--kv-heads", "1"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if re.match(r"\| \d+[, ]", line)]
+    # rows read: 4 query tokens read 1..4 keys (10); 2 after 16 cached read 17 and 18 (35)
+    assert [r.split("|")[1:3] for r in rows] == [
+        [" 4, no context ", " 10 "],
+        [" 2 after 16 ", " 35 "],
+    ]
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")[2:]]
+        assert len(cells) == 5 and all(float(c) > 0 for c in cells), r

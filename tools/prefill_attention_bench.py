@@ -5,6 +5,7 @@ random order). Per shape the three calls alternate, so a neighbour's burst falls
 them; each time is the median of --reps calls, in ms, each ratio the median of the reps' ratios.
 
     python -m tools.prefill_attention_bench [--reps 15] [--heads 9 --kv-heads 3 --head-dim 64]
+        [--shapes 16x0,4x512,...]
 
 Rows: the K/V rows the chunk's query tokens read in all (query_len x mean keys a query), the
 quantity the cpu backend splits chunks by (thresholds.prefill_split).
@@ -25,7 +26,7 @@ import torch
 from cbgen.attention import torch_backend
 from cbgen.cpu import build, kernels, thresholds
 
-# (query tokens, cached context): docs/PERFORMANCE.md's AVX2 tables
+# (query tokens, cached context): docs/PERFORMANCE.md's AVX2 tables (--shapes' default)
 SHAPES = [
     (16, 0),
     (32, 0),
@@ -80,13 +81,34 @@ def bench_chunk(
     return decode, prefill, sdpa
 
 
-def main() -> None:
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'16x0,4x512' -> [(16, 0), (4, 512)]: query tokens x cached context per chunk."""
+    shapes = []
+    for item in text.split(","):
+        q, sep, c = item.strip().partition("x")
+        if not sep or not q.isdigit() or not c.isdigit() or int(q) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected QUERYxCONTEXT,... (e.g. 16x0,4x512), got {item!r}"
+            )
+        shapes.append((int(q), int(c)))
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=SHAPES,
+        help="chunks as QUERYxCONTEXT,... (query tokens after cached context)",
+    )
+    args = parser.parse_args(argv)
+    if build.load_library() is None:
+        raise SystemExit(f"no C kernels to time: {build.native_status()}")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(build.native_status())
@@ -95,7 +117,7 @@ def main() -> None:
         "| chunk | rows | decode kernel | prefill kernel | SDPA | prefill / decode | prefill / SDPA |"
     )
     print("|---|---|---|---|---|---|---|")
-    for qlen, ctx in SHAPES:
+    for qlen, ctx in args.shapes:
         decode, prefill, sdpa = bench_chunk(
             qlen, ctx, args.heads, args.kv_heads, args.head_dim, args.reps
         )
