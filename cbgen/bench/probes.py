@@ -102,7 +102,7 @@ class StepProfiler:
     def _stop(self) -> None:
         if self._torch is not None:
             self._torch.__exit__(None, None, None)
-            sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+            sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
             self.table = self._torch.key_averages().table(sort_by=sort, row_limit=PROFILE_ROWS)
             self._torch = None
         if self._cprofile is not None:
