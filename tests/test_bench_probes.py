@@ -122,6 +122,7 @@ def test_alternation_labels_and_figures_each_paths_steps() -> None:
         (SimpleNamespace(name="torch", exact_head=None), "decoder", "a path of the CPU runtime"),
         (SimpleNamespace(name="cuda", exact_head=None), "blocked_rows=4", "this one is cuda"),
         (cpu_runtime(thresholds=CpuThresholds(0)), "small_gemm_max_rows=8", "no CPU kernels"),
+        (cpu_runtime(), "blocked_rows=96", "96 is this engine's own"),
     ],
 )
 def test_alternation_refuses_a_path_the_runtime_lacks(

@@ -10,9 +10,9 @@
         step   0  1  2  3  4  5  6  7  8 ...
         path   A  A  B  B  A  A  B  B  A       A: the runtime's (with), B: the alternative
 
-Both read the runtime only through what it states (engine.runtime: exact_head; on the CPU
-decoder and thresholds), and the alternation puts the runtime's own path back when the run
-ends: the engines of a bench share one runtime.
+The alternation reads the runtime only through what it states (engine.runtime: exact_head; on
+the CPU decoder and thresholds), and puts the runtime's own path back when the run ends: the
+engines of a bench share one runtime.
 """
 
 from __future__ import annotations
@@ -37,14 +37,8 @@ PROFILERS = ("torch", "cprofile")
 PROFILE_ROWS = 30
 """Rows of the profile's table: torch's ops by self time, or cProfile's calls by tottime."""
 
-ALTERNATES = {
-    "exact_head": "the exact LM head (bf16 or int16 logits) against the float32 head",
-    "decoder": "a decode step's forward pass in one C call against the Python one",
-    "small_gemm_max_rows": "small_gemm up to its tuned row count against up to ROWS rows, "
-    "oneDNN past them",
-    "blocked_rows": "small_gemm's packed row blocks from the tuned row count against from ROWS",
-}
-"""--alternate's paths (the last two take =ROWS): what each compares."""
+ALTERNATES = ("exact_head", "decoder", "small_gemm_max_rows", "blocked_rows")
+"""--alternate's paths; the last two, the CpuThresholds fields, take =ROWS (docs/BENCH.md)."""
 
 
 @dataclass(frozen=True)
@@ -210,6 +204,10 @@ class Alternation:
             tuned = int(getattr(thresholds, spec.name))
             if tuned == 0:
                 raise ValueError(f"alternate: {spec.name}: no CPU kernels in this engine")
+            if tuned == spec.rows:
+                raise ValueError(
+                    f"alternate: {spec.name}: {tuned} is this engine's own; give another row count"
+                )
             other = spec.rows
 
             def set_rows(on: bool) -> None:
