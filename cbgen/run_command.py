@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 if TYPE_CHECKING:
-    from cbgen.io.rows import ChatDefaults, Shard
+    from cbgen.io.rows import ChatDefaults
+    from cbgen.io.shard import Shard
 
 from cbgen.cli_options import (
     NO_ENGINE_OPTIONS,
@@ -200,7 +201,7 @@ def run(
     from cbgen.io.part import RunPlan
     from cbgen.io.pipeline import StopFlag
     from cbgen.io.readers import InputError
-    from cbgen.io.rows import ColumnSpec, RowFilter
+    from cbgen.io.rows import ColumnSpec
     from cbgen.io.session import (
         EXIT_FATAL,
         EXIT_LOCKED,
@@ -209,6 +210,7 @@ def run(
         FatalError,
         execute,
     )
+    from cbgen.io.shard import RowFilter
     from cbgen.io.writer import OutputError, OutputLayout
 
     display = make_display(quiet, log_interval)
@@ -337,7 +339,7 @@ def _structured_defaults(
 
 
 def _resolve_shard(text: str | None, display: Any) -> Shard | None:
-    from cbgen.io.rows import Shard
+    from cbgen.io.shard import Shard
 
     shard: Shard | None
     if text is not None:

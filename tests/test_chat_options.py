@@ -9,7 +9,8 @@ from typing import Any
 
 from test_run_cli import chat_model, read_rows, run, tiny, write_jsonl
 
-from cbgen.io.rows import ChatDefaults, ColumnSpec, parse_mapping
+from cbgen.io.parse import parse_mapping
+from cbgen.io.rows import ChatDefaults, ColumnSpec
 
 __all__ = ["chat_model"]  # a fixture, used by name
 

@@ -16,7 +16,8 @@ from test_run_cli import TINY_CHAT_CONFIG, chat_model, read_rows, run, tiny, wri
 from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.sampler import Sampler, SamplingRow
-from cbgen.io.rows import ColumnSpec, parse_mapping
+from cbgen.io.parse import parse_mapping
+from cbgen.io.rows import ColumnSpec
 from cbgen.llm import LLM
 
 __all__ = ["chat_model", "model_dir"]  # fixtures, used by name

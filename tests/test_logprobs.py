@@ -23,7 +23,8 @@ from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.logprobs import TokenLogprob
 from cbgen.engine.outputs import RequestOutput
-from cbgen.io.rows import ColumnSpec, RowError, make_params, parse_mapping
+from cbgen.io.parse import make_params, parse_mapping
+from cbgen.io.rows import ColumnSpec, RowError
 
 __all__ = ["chat_model"]  # a fixture, used by name
 

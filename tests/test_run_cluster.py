@@ -36,9 +36,10 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.display import Display
 from cbgen.io import identity
 from cbgen.io.lock import OutputLock, OutputLockedError
+from cbgen.io.parse import parse_mapping
 from cbgen.io.part import RunPlan
 from cbgen.io.pipeline import StopFlag
-from cbgen.io.rows import ColumnSpec, parse_mapping
+from cbgen.io.rows import ColumnSpec
 from cbgen.io.schema import output_schema
 from cbgen.io.session import execute
 from cbgen.io.writer import OutputError, OutputLayout

@@ -16,16 +16,10 @@ import pytest
 
 from cbgen.config import SamplingParams, parse_size
 from cbgen.display import LogDisplay, ProgressSnapshot, format_status
-from cbgen.io.rows import (
-    ColumnSpec,
-    InputRow,
-    RowError,
-    RowFilter,
-    Shard,
-    make_params,
-    parse_json_line,
-)
+from cbgen.io.parse import make_params, parse_json_line
+from cbgen.io.rows import ColumnSpec, InputRow, RowError
 from cbgen.io.schema import error_record, output_schema
+from cbgen.io.shard import RowFilter, Shard
 from cbgen.io.writer import (
     KeySet,
     OutputError,

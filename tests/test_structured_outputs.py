@@ -16,7 +16,8 @@ from test_run_cli import chat_model, read_rows, run, tiny, write_jsonl
 from cbgen.config import SamplingParams, StructuredOutputs
 from cbgen.engine.engine import Engine
 from cbgen.engine.structured import Grammars, choice_regex, reasoning_open
-from cbgen.io.rows import ColumnSpec, parse_mapping
+from cbgen.io.parse import parse_mapping
+from cbgen.io.rows import ColumnSpec
 from cbgen.llm import LLM
 
 __all__ = ["chat_model"]  # a fixture, used by name

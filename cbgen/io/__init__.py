@@ -1,7 +1,8 @@
 """Rows in, rows out: what `cbgen run` is made of.
 
-rows.py      InputRow: one prompt, its id and per-row sampling fields (JSONL, OpenAI batch,
-             Parquet records), errors included; shards and row filters
+rows.py      InputRow: one prompt, its id and per-row sampling fields, errors included
+parse.py     a JSON object (plain, chat, OpenAI batch) or Parquet record into an InputRow
+shard.py     shards (--shard I/N, Slurm arrays) and the row filters of shards and workers
 readers.py   streaming JSONL (file or stdin) and Parquet readers
 schema.py    the output table's columns and how a finished or failed row fills them
 writer.py    output layout, staging streams (crash-safe), resume keys, atomic finalize

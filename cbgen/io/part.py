@@ -11,8 +11,9 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.display import Display, ProgressSnapshot
 from cbgen.io.pipeline import GenerationLoop, ProgressTracker, StopFlag, count_rows_in_background
 from cbgen.io.readers import open_source
-from cbgen.io.rows import ChatDefaults, ColumnSpec, RowFilter
+from cbgen.io.rows import ChatDefaults, ColumnSpec
 from cbgen.io.schema import output_schema
+from cbgen.io.shard import RowFilter
 from cbgen.io.writer import OutputLayout, StagingWriter, load_done_keys, staging_tag
 
 

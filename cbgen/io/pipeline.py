@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any
 from cbgen.config import SamplingParams
 from cbgen.display import Display, ProgressSnapshot
 from cbgen.engine.outputs import RequestOutput, StepStats
+from cbgen.io.parse import make_params
 from cbgen.io.readers import InputSource
-from cbgen.io.rows import ChatDefaults, InputRow, RowError, RowFilter, make_params
+from cbgen.io.rows import ChatDefaults, InputRow, RowError
 from cbgen.io.schema import error_record, ok_record
+from cbgen.io.shard import RowFilter
 from cbgen.io.writer import KeySet, StagingWriter, row_key
 
 if TYPE_CHECKING:

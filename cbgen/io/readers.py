@@ -16,14 +16,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cbgen.io.rows import (
-    SAMPLING_FIELDS,
-    ColumnSpec,
-    InputRow,
-    RowFilter,
-    parse_json_line,
-    parse_mapping,
-)
+from cbgen.io.parse import SAMPLING_FIELDS, parse_json_line, parse_mapping
+from cbgen.io.rows import ColumnSpec, InputRow
+from cbgen.io.shard import RowFilter
 
 STDIN = "-"
 PARQUET_SUFFIXES = (".parquet", ".pq")

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cbgen.io.lock import LOCK_NAME
-from cbgen.io.rows import Shard
+from cbgen.io.shard import Shard
 
 STAGING_SUFFIX = ".arrows"
 _ROW_GROUP_ROWS = 16384
