@@ -199,7 +199,6 @@ def run(
     from cbgen.io.identity import SettingsMismatchError
     from cbgen.io.lock import OutputLockedError
     from cbgen.io.part import RunPlan
-    from cbgen.io.pipeline import StopFlag
     from cbgen.io.readers import InputError
     from cbgen.io.rows import ColumnSpec
     from cbgen.io.session import (
@@ -211,6 +210,7 @@ def run(
         execute,
     )
     from cbgen.io.shard import RowFilter
+    from cbgen.io.stop import StopFlag
     from cbgen.io.writer import OutputError, OutputLayout
 
     display = make_display(quiet, log_interval)

@@ -38,10 +38,10 @@ from cbgen.io import identity
 from cbgen.io.lock import OutputLock, OutputLockedError
 from cbgen.io.parse import parse_mapping
 from cbgen.io.part import RunPlan
-from cbgen.io.pipeline import StopFlag
 from cbgen.io.rows import ColumnSpec
 from cbgen.io.schema import output_schema
 from cbgen.io.session import execute
+from cbgen.io.stop import StopFlag
 from cbgen.io.writer import OutputError, OutputLayout
 
 __all__ = ["chat_model"]  # a fixture, used by name

@@ -426,7 +426,9 @@ def test_loop_feeds_as_slots_free_up(tmp_path: Path, tiny_model_dir: Callable[[s
     been read, and the engine never holds more than queue_depth requests."""
     from cbgen.display import Display
     from cbgen.engine.engine import Engine
-    from cbgen.io.pipeline import GenerationLoop, ProgressTracker, StopFlag
+    from cbgen.io.pipeline import GenerationLoop
+    from cbgen.io.progress import ProgressTracker
+    from cbgen.io.stop import StopFlag
 
     engine = Engine(
         model=str(tiny_model_dir("llama")),
@@ -481,7 +483,9 @@ def test_loop_skips_done_rows_and_expands_samples(
 ) -> None:
     from cbgen.display import Display
     from cbgen.engine.engine import Engine
-    from cbgen.io.pipeline import GenerationLoop, ProgressTracker, StopFlag
+    from cbgen.io.pipeline import GenerationLoop
+    from cbgen.io.progress import ProgressTracker
+    from cbgen.io.stop import StopFlag
 
     engine = Engine(
         model=str(tiny_model_dir("llama")),
@@ -528,7 +532,9 @@ def test_loop_skips_done_rows_and_expands_samples(
 
 def test_params_cache_tells_types_apart(tmp_path: Path) -> None:
     from cbgen.display import Display
-    from cbgen.io.pipeline import GenerationLoop, ProgressTracker, StopFlag
+    from cbgen.io.pipeline import GenerationLoop
+    from cbgen.io.progress import ProgressTracker
+    from cbgen.io.stop import StopFlag
 
     class NoEngine:
         class config:  # stands in for EngineConfig

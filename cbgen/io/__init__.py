@@ -6,7 +6,9 @@ shard.py     shards (--shard I/N, Slurm arrays) and the row filters of shards an
 readers.py   streaming JSONL (file or stdin) and Parquet readers
 schema.py    the output table's columns and how a finished or failed row fills them
 writer.py    output layout, staging streams (crash-safe), resume keys, atomic finalize
-pipeline.py  the loop feeding one engine as slots free up; progress; SIGTERM/Ctrl-C
+pipeline.py  the loop feeding one engine as slots free up
+progress.py  what the loop did: the display's snapshots, the summary's figures, the row count
+stop.py      SIGTERM/Ctrl-C: stop feeding, flush, exit resumable
 parallel.py  --data-parallel-size: worker processes, failures reported
 session.py   one run from checks to exit code
 summary.py   the JSON run summary and the final lines printed

@@ -29,8 +29,8 @@ import psutil
 
 from cbgen.display import Display, ProgressSnapshot
 from cbgen.io.part import PartResult, RunPlan, generate_part, merge_stats
-from cbgen.io.pipeline import StopFlag
 from cbgen.io.readers import InputError
+from cbgen.io.stop import StopFlag
 from cbgen.io.writer import OutputError
 
 _PROGRESS_EVERY_S = 0.5

@@ -9,11 +9,13 @@ from typing import Any
 
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.display import Display, ProgressSnapshot
-from cbgen.io.pipeline import GenerationLoop, ProgressTracker, StopFlag, count_rows_in_background
+from cbgen.io.pipeline import GenerationLoop
+from cbgen.io.progress import ProgressTracker, count_rows_in_background
 from cbgen.io.readers import open_source
 from cbgen.io.rows import ChatDefaults, ColumnSpec
 from cbgen.io.schema import output_schema
 from cbgen.io.shard import RowFilter
+from cbgen.io.stop import StopFlag
 from cbgen.io.writer import OutputLayout, StagingWriter, load_done_keys, staging_tag
 
 

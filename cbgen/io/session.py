@@ -27,9 +27,9 @@ from cbgen.io.export import export
 from cbgen.io.lock import OutputLock
 from cbgen.io.parallel import run_data_parallel
 from cbgen.io.part import PartResult, RunPlan, generate_part
-from cbgen.io.pipeline import StopFlag
 from cbgen.io.readers import STDIN, InputError, InputSource, open_source
 from cbgen.io.schema import output_schema
+from cbgen.io.stop import StopFlag
 from cbgen.io.summary import build_summary, format_summary, table_stats, write_summary
 from cbgen.io.writer import OutputError, OutputLayout, check_compatible, finalize, os_error_message
 
