@@ -1,5 +1,6 @@
 """The cpu attention backend: the torch reference's plan, with the C kernels of
-cbgen.cpu.kernels doing the work in float32 (the auto choice on the CPU).
+cbgen.cpu.kernels doing the work in float32 (the auto choice on the CPU), over a float32 KV
+cache or a bfloat16 one (--dtype bfloat16: its values widened to float32 as they are read).
 
     new K/V             kernels.write_kv_f32: one C call from the strided K/V views of the
                         fused qkv rows
@@ -156,7 +157,7 @@ def attend(
     """Attention of query [T, H, D] over the paged cache: the kernels in float32, the torch
     reference for the rest (see the module docstring)."""
     window, cap = sliding_window, logit_softcap
-    if not query.dtype == kv_cache.dtype == torch.float32:
+    if query.dtype != torch.float32 or kv_cache.dtype not in (torch.float32, torch.bfloat16):
         return torch_backend.attend(query, kv_cache, plan.reference, scale, window, cap)
     nat = plan.native_for(window)
     out: torch.Tensor | None = None
@@ -187,6 +188,7 @@ def attend(
         start, end, seq_len, _ = chunk
         first = torch_backend.first_window_block(seq_len, end - start, window, kv_cache.shape[2])
         keys, values = torch_backend.gather_context(kv_cache, chunk, first)
+        keys, values = keys.float(), values.float()  # a bf16 cache's rows, widened (exactly)
         o = (
             kernels.prefill_attention_f32(query[start:end], keys, values, scale, window, cap)
             if prefill_kernel

@@ -328,11 +328,16 @@ SIGNATURES: dict[str, Signature] = {
         _int,
         [_p, _i64, _p, _p, _p, _i64, _p, *[_i64] * 5, _f32, _i64, _f32, _p],
     ),
+    "cbgen_paged_decode_bf16kv": (
+        _int,
+        [_p, _i64, _p, _p, _p, _i64, _p, *[_i64] * 5, _f32, _i64, _f32, _p],
+    ),
     "cbgen_exp_sub_sum_f32": (_f32, [_p, _i64, _f32]),
     "cbgen_add_rmsnorm_f32": (None, [_p, _p, _p, _f32, _i64, _i64, _p]),
     "cbgen_rope_f32": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p]),
     "cbgen_rmsnorm_heads_f32": (None, [_p, _i64, _i64, _i64, _i64, _p, _f32]),
     "cbgen_write_kv_f32": (_int, [_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64]),
+    "cbgen_write_kv_bf16": (_int, [_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64]),
     "cbgen_head_bf16": (
         _i64,
         [_p, _i64, _i64, _p, _p, _i64, _p, _p, _p, *[_f32] * 4, _p, _p, _i64, _p],

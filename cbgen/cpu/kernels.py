@@ -38,10 +38,13 @@ def paged_decode_f32(
     kv_cache [2, num_blocks, block_size, Hkv, D] contiguous, block_table [B, n] int32,
     seq_lens [B] int32; with a sliding window, sequence b reads only its last sliding_window
     keys (from their first block on), and logit_softcap caps the scores (see
-    cbgen.attention.base). None when the kernel is unavailable or cannot hold the shape."""
+    cbgen.attention.base). A bfloat16 kv_cache is widened to float32 as it is read (the
+    float32 kernel's arithmetic on the widened values). None when the kernel is unavailable or
+    cannot hold the shape."""
     check("query", query, torch.float32, ("B", "H", "D"))
     b, h, d = query.shape
-    check("kv_cache", kv_cache, torch.float32, (2, "num_blocks", "block_size", "Hkv", d))
+    cache_dtype = torch.bfloat16 if kv_cache.dtype == torch.bfloat16 else torch.float32
+    check("kv_cache", kv_cache, cache_dtype, (2, "num_blocks", "block_size", "Hkv", d))
     check_contiguous("kv_cache", kv_cache)
     check("block_table", block_table, torch.int32, (b, "n"))
     check("seq_lens", seq_lens, torch.int32, (b,))
@@ -55,7 +58,12 @@ def paged_decode_f32(
     bt = block_table.contiguous()
     sl = seq_lens.contiguous()
     out = torch.empty(b, h, d, dtype=torch.float32)
-    rc = lib.cbgen_paged_decode_f32(
+    kernel = (
+        lib.cbgen_paged_decode_bf16kv
+        if cache_dtype == torch.bfloat16
+        else lib.cbgen_paged_decode_f32
+    )
+    rc = kernel(
         q.data_ptr(),
         q.stride(0),
         kv_cache[0].data_ptr(),
@@ -133,12 +141,15 @@ def write_kv_f32(
 ) -> bool:
     """torch_backend.write_kv_cache in one C call, for float32 CPU tensors whose heads are
     packed in each row (key/value [T, Hkv, D], any row stride; slot_mapping int64, negative
-    slots skipped). False, writing nothing, when the tensors do not fit that description."""
+    slots skipped), into a float32 cache or a bfloat16 one (each value rounded to nearest even,
+    as torch's conversion). False, writing nothing, when the tensors do not fit that
+    description."""
     lib = build.load_library()
     if (
         lib is None
         or key.dim() != 3
-        or not (key.dtype == value.dtype == kv_cache.dtype == torch.float32)
+        or not (key.dtype == value.dtype == torch.float32)
+        or kv_cache.dtype not in (torch.float32, torch.bfloat16)
         or slot_mapping.dtype != torch.int64
         or not (key.is_cpu and value.is_cpu and kv_cache.is_cpu and slot_mapping.is_cpu)
         or not kv_cache.is_contiguous()
@@ -152,7 +163,8 @@ def write_kv_f32(
         return False
     t, hkv, d = key.shape
     slots = slot_mapping.contiguous()
-    rc = lib.cbgen_write_kv_f32(
+    write = lib.cbgen_write_kv_bf16 if kv_cache.dtype == torch.bfloat16 else lib.cbgen_write_kv_f32
+    rc = write(
         key.data_ptr(),
         key.stride(0),
         value.data_ptr(),

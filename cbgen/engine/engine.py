@@ -86,6 +86,9 @@ class Engine:
             )
             if self.cpu_bf16 is not None:
                 self.dtype = torch.float32
+        self.kv_dtype = torch.bfloat16 if self.cpu_bf16 is not None else self.dtype
+        """The KV cache's dtype: the activations', or bf16 in the CPU's bf16 modes (half the
+        bytes a token: twice the sequences fit)."""
         limit = mc.max_position_embeddings
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
@@ -177,7 +180,7 @@ class Engine:
             config.max_num_seqs,
             self.max_model_len,
             self.device,
-            self.dtype,
+            self.kv_dtype,
             config.max_num_batched_tokens,
             runtime=self.runtime,
         )
@@ -208,7 +211,7 @@ class Engine:
     # ---- start-up --------------------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        return kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_dtype)
 
     def describe(self) -> str:
         tokens = self.num_blocks * self.config.block_size
@@ -242,11 +245,14 @@ class Engine:
 
     def _weight_storage(self) -> str:
         if self.cpu_bf16 == "dot":
-            return " (bf16 weights and dot products; float32 activations, norms, attention and KV cache)"
+            return (
+                " (bf16 weights and KV cache, bf16 dot products in the matmuls; float32 "
+                "activations, norms, softmax and sampling)"
+            )
         if self.cpu_bf16 == "widen":
             return (
-                " (bf16 weights widened to float32 in the matmuls: this CPU has no bf16 dot "
-                "products, so the arithmetic is float32's)"
+                " (bf16 weights and KV cache widened to float32 as they are read: this CPU "
+                "has no bf16 dot products, so the arithmetic is float32's)"
             )
         if self.weight_dtype == self.dtype:
             return ""

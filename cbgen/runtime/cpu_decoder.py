@@ -83,6 +83,7 @@ class _Decoder(ctypes.Structure):
                 "gemma",
                 "blocked_rows",
                 "weights",
+                "kv_bf16",
             )
         ),
         ("eps", ctypes.c_float),
@@ -212,15 +213,17 @@ class NativeDecoder:
 
     def _bind(self, kv_caches: Sequence[torch.Tensor], block_size: int) -> bool:
         """Point the C structs at these caches (once per set of caches). False when a cache is
-        not what the kernels take: float32, contiguous, [2, blocks, block_size, KV heads, D],
-        every layer's the same size."""
+        not what the kernels take: float32 or bfloat16 (all alike), contiguous, [2, blocks,
+        block_size, KV heads, D], every layer's the same size."""
         want = (block_size, self.kv_heads, self.head_dim)
         first = kv_caches[0] if kv_caches else None
         if first is None or len(kv_caches) != len(self.layers):
             return False
+        kv_dtype = first.dtype
         for c in kv_caches:
             if (
-                c.dtype != torch.float32
+                c.dtype not in (torch.float32, torch.bfloat16)
+                or c.dtype != kv_dtype
                 or not c.is_cpu
                 or not c.is_contiguous()
                 or c.dim() != 5
@@ -274,6 +277,7 @@ class NativeDecoder:
             gemma=int(self.gemma),
             blocked_rows=self.thresholds.blocked_rows,
             weights=self.weights,
+            kv_bf16=int(kv_dtype == torch.bfloat16),
             eps=self.eps,
             scale=self.scale,
             softcap=self.softcap,

@@ -26,6 +26,11 @@ int cbgen_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cach
                            const float *v_cache, const int32_t *block_table, int64_t bt_stride,
                            const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                            int64_t bs, float scale, int64_t window, float softcap, float *out);
+int cbgen_paged_decode_bf16kv(const float *q, int64_t q_stride, const uint16_t *k_cache,
+                              const uint16_t *v_cache, const int32_t *block_table,
+                              int64_t bt_stride, const int32_t *seq_lens, int64_t B, int64_t H,
+                              int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window,
+                              float softcap, float *out);
 float cbgen_exp_sub_sum_f32(float *s, int64_t n, float m);
 
 /* prefill_attention.c: causal attention over a prefill chunk's contiguous K/V */
@@ -46,6 +51,9 @@ void cbgen_rope_f32(float *x, int64_t row_stride, int64_t T, int64_t heads, int6
 int cbgen_write_kv_f32(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
                        float *k_cache, float *v_cache, int64_t num_slots, const int64_t *slots,
                        int64_t T, int64_t row);
+int cbgen_write_kv_bf16(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
+                        uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots,
+                        const int64_t *slots, int64_t T, int64_t row);
 
 /* small_gemm.c: matmuls of decode-sized batches over packed weight panels */
 void cbgen_pack_panels_f32(const float *w, int64_t N, int64_t K, float *wp);
@@ -111,6 +119,7 @@ typedef struct {
     int64_t gemma;             /* Gemma's layers: norms after each block, GeGLU */
     int64_t blocked_rows;      /* small_gemm's row blocks from this many rows on (<= 0: default) */
     int64_t weights;           /* the panels: 0 float32, 1 bf16 widened, 2 bf16 dot products */
+    int64_t kv_bf16;           /* the caches hold bf16 (cast from the layers' float pointers) */
     float eps, scale, softcap; /* softcap 0: none */
     const float *final_norm;   /* [H] */
     const cbgen_layer_f32 *layer;

@@ -92,11 +92,20 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
             cbgen_rmsnorm_heads_f32(qkv + q, row, T, m->kv_heads, D, L->k_norm, m->eps);
         }
         cbgen_rope_f32(qkv, row, T, m->heads + m->kv_heads, D, positions, L->cos, L->sin);
-        CHECK(cbgen_write_kv_f32(qkv + q, row, qkv + q + kv, row, L->k_cache, L->v_cache,
-                                 m->num_slots, slots, T, kv));
-        CHECK(cbgen_paged_decode_f32(qkv, row, L->k_cache, L->v_cache, block_table, bt_stride,
-                                     seq_lens, T, m->heads, m->kv_heads, D, m->block_size,
-                                     m->scale, L->window, m->softcap, o));
+        if (m->kv_bf16) { /* the cache holds bf16: written rounded, read widened */
+            uint16_t *kc = (uint16_t *)L->k_cache, *vc = (uint16_t *)L->v_cache;
+            CHECK(cbgen_write_kv_bf16(qkv + q, row, qkv + q + kv, row, kc, vc, m->num_slots,
+                                      slots, T, kv));
+            CHECK(cbgen_paged_decode_bf16kv(qkv, row, kc, vc, block_table, bt_stride, seq_lens,
+                                            T, m->heads, m->kv_heads, D, m->block_size,
+                                            m->scale, L->window, m->softcap, o));
+        } else {
+            CHECK(cbgen_write_kv_f32(qkv + q, row, qkv + q + kv, row, L->k_cache, L->v_cache,
+                                     m->num_slots, slots, T, kv));
+            CHECK(cbgen_paged_decode_f32(qkv, row, L->k_cache, L->v_cache, block_table,
+                                         bt_stride, seq_lens, T, m->heads, m->kv_heads, D,
+                                         m->block_size, m->scale, L->window, m->softcap, o));
+        }
         if (m->gemma) {
             CHECK(matmul(m, o, T, q, L->o, H, 0, blocked, a));
             cbgen_add_rmsnorm_f32(a, 0, L->post_norm, m->eps, T, H, h);

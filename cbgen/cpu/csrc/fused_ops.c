@@ -102,3 +102,30 @@ int cbgen_write_kv_f32(const float *key, int64_t k_stride, const float *value, i
     }
     return 0;
 }
+
+/* float32 -> bfloat16, rounded to nearest even (a NaN stays a NaN), as torch converts. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* cbgen_write_kv_f32 into a bfloat16 cache: each value rounded as torch's .to(bfloat16). */
+int cbgen_write_kv_bf16(const float *key, int64_t k_stride, const float *value, int64_t v_stride,
+                        uint16_t *k_cache, uint16_t *v_cache, int64_t num_slots,
+                        const int64_t *slots, int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] >= num_slots) return -1;
+#pragma omp parallel for if (T * row >= PAR_MIN_ELEMS) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        for (int64_t i = 0; i < row; ++i) {
+            k_cache[s * row + i] = to_bf16(key[t * k_stride + i]);
+            v_cache[s * row + i] = to_bf16(value[t * v_stride + i]);
+        }
+    }
+    return 0;
+}
