@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from cbgen.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from cbgen.models.config import ModelConfig
 from cbgen.models.errors import one_line
 from cbgen.models.gguf_file import GGUFError, GGUFFile
+from cbgen.models.hf_config import SUPPORTED_ARCHITECTURES
 
 
 @lru_cache(maxsize=2)
