@@ -116,7 +116,7 @@ def test_compare_peers_runs_cbgen_and_both_transformers_modes_on_sharegpt(
             w["output_tokens"],
         )
     assert runs["vllm"] == {"ok": False, "error": "no --vllm-python given"}
-    assert "| vLLM CPU build | skipped: no --vllm-python given |" in out
+    assert "| vLLM CPU build, float32 | skipped: no --vllm-python given |" in out
     # Every prompt token is computed or comes from the prefix cache (the chat template's system
     # prompt); each request's first output token comes with its prompt, the others decode.
     cb = runs["cbgen"]["extra"]
@@ -144,6 +144,22 @@ def test_compare_peers_runs_cbgen_and_both_transformers_modes_on_sharegpt(
     assert "transformers continuous batching (sdpa, paged) 3/3" in out
 
 
+def test_compare_peers_runs_cbgen_in_the_dtype_asked_for(
+    peer_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--dtype bfloat16: cbgen's worker runs its bf16 path (its start-up line says so), and
+    vLLM is asked for the same dtype as well as for its own default (vllm-default)."""
+    summary = run_compare_peers(
+        tmp_path, peer_model_dir, "cbgen,vllm,vllm-default", "--dtype", "bfloat16"
+    )
+    runs = summary["runs"]
+    assert runs["cbgen"]["ok"] and " on cpu bfloat16 (" in runs["cbgen"]["detail"]
+    out = capsys.readouterr().out
+    assert "| vLLM CPU build, bfloat16 | skipped: no --vllm-python given |" in out
+    assert "| vLLM CPU build, its default dtype | skipped: no --vllm-python given |" in out
+    assert ", bfloat16, greedy" in out
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_compare_peers_runs_vllm(
     peer_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -154,7 +170,7 @@ def test_compare_peers_runs_vllm(
     vllm = summary["runs"]["vllm"]
     assert vllm["ok"], (vllm.get("error"), (tmp_path / "vllm.log").read_text()[-3000:])
     assert vllm["output_tokens"] == summary["workload"]["output_tokens"]
-    assert "vLLM CPU build 3/3" in capsys.readouterr().out
+    assert "vLLM CPU build, float32 3/3" in capsys.readouterr().out
 
 
 def test_share_of_peak_is_the_workloads_matmul_work_at_the_peak() -> None:

@@ -109,7 +109,7 @@ def main() -> None:
             load_format=args.load_format,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            dtype="float32",
+            dtype=args.dtype,
         )
         engine = llm.engine
         # Warm-up: one short request of token ids no real prompt starts with (no prefix-cache help).

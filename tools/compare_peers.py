@@ -45,7 +45,9 @@ from cbgen.cpu.features import cpu_info
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "cbgen" / "SmolLM2-135M-Instruct-f32"
-SYSTEMS = ("cbgen", "hf-static", "hf-cb", "vllm")
+SYSTEMS = ("cbgen", "hf-static", "hf-cb", "vllm", "vllm-default")
+"""vllm runs in --dtype, as cbgen; vllm-default in vLLM's own default (dtype auto: bf16 where
+the CPU supports it), what a vLLM user gets without asking."""
 WORKLOADS = {
     # requests, min and max prompt tokens (before the chat template), max output tokens
     "chat": (64, 0, 256, 128),
@@ -412,6 +414,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-prompt-len", type=int, default=None)
     p.add_argument("--max-output-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="what cbgen and vllm compute in (transformers stays float32; vllm-default takes "
+        "vLLM's own choice)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--static-batch-size", type=int, default=32)
@@ -514,7 +523,8 @@ def main(argv: list[str] | None = None) -> None:
         "cbgen": "cbgen",
         "hf-static": f"transformers generate, static B={args.static_batch_size}",
         "hf-cb": "transformers continuous batching (sdpa, paged)",
-        "vllm": "vLLM CPU build",
+        "vllm": f"vLLM CPU build, {args.dtype}",
+        "vllm-default": "vLLM CPU build, its default dtype",
     }
     runs: list[Run] = []
     for key in keys:
@@ -526,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
                 sys.executable, "-m", "tools.cbgen_worker",
                 "--model", cbgen_model,
                 "--load-format", args.cbgen_load_format,
+                "--dtype", args.dtype,
             ]  # fmt: skip
         elif key in ("hf-static", "hf-cb"):
             mode = "static" if key == "hf-static" else "cb"
@@ -552,6 +563,8 @@ def main(argv: list[str] | None = None) -> None:
                 "tools.vllm_worker",
                 "--model",
                 str(args.model_dir.absolute()),
+                "--dtype",
+                args.dtype if key == "vllm" else "auto",
             ]
             cwd = vllm_launch_dir(work)
         print(f"[{key}] waiting for a quiet machine, then running (log: {log})", file=sys.stderr)
@@ -581,7 +594,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"workload: {w['requests']} ShareGPT requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, "
         f"exact output lengths (ignore_eos), all submitted at once; max_num_seqs {args.max_num_seqs}, "
-        f"max_num_batched_tokens {args.max_num_batched_tokens}, fp32, greedy"
+        f"max_num_batched_tokens {args.max_num_batched_tokens}, {args.dtype}, greedy"
     )
     cb = next((r.result for r in runs if r.key == "cbgen" and r.result.get("ok")), None)
     # the ceiling counts the model's whole arithmetic: its matmuls and its attention, which at

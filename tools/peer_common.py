@@ -57,6 +57,11 @@ def worker_args(description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-size", type=int, default=32, help="static batch size (transformers generate)"
     )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32 or bfloat16 (cbgen, vLLM); vLLM also takes auto, its own default",
+    )
     return p
 
 

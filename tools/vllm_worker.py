@@ -47,7 +47,7 @@ def main() -> None:
         items = load_workload(args.workload)
         llm = LLM(
             model=args.model,
-            dtype="float32",
+            dtype=args.dtype,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
@@ -69,7 +69,8 @@ def main() -> None:
         result.output_tokens = sum(it.output_len for it in items)
         result.peak_rss_gib = peak_rss_gib()  # while the engine-core child is alive
         result.detail = (
-            f"vllm {vllm.__version__}, fp32, chunked prefill, "
+            f"vllm {vllm.__version__}, {args.dtype} ({llm.llm_engine.model_config.dtype}), "
+            "chunked prefill, "
             f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '(unset)')}, "
             f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '(unset)')} GiB, "
             f"LD_PRELOAD={preloaded_names(os.environ.get('LD_PRELOAD'))}"
