@@ -2,6 +2,10 @@
 
 What is discovered at run time (number of KV blocks, EOS id, the resolved device) lives in
 the engine, not here: a config says what the user asked for.
+
+Longer than 400 lines: one job, the user's options (every CLI option maps onto a field here,
+cli_options reads them), each field documented and validated once, naming the field; the
+engine's options and a request's stay side by side so that their checks read alike.
 """
 
 from __future__ import annotations

@@ -15,13 +15,8 @@ import torch
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.cpu import build, kernels
 from cbgen.engine.engine import Engine
-from cbgen.engine.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_penalties,
-    apply_penalties_rows,
-    filter_logits,
-)
+from cbgen.engine.logit_processors import apply_penalties, apply_penalties_rows, filter_logits
+from cbgen.engine.sampler import Sampler, SamplingRow
 from cbgen.llm import LLM
 
 

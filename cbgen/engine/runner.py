@@ -16,6 +16,10 @@ graph (cuda_graphs).
 
 Logits are computed at the last position of each request that samples, and, for requests
 with prompt_logprobs, at the prompt positions this step computes (see _score_prompts).
+
+Longer than 400 lines: one object owns the per-row state (block table rows, staged sampling
+parameters, generators, device-draw counts, prompt-scoring progress) that the bookkeeping, the
+flat batch, graph padding, sampling and prompt scoring all read and advance within a step.
 """
 
 from __future__ import annotations
