@@ -331,7 +331,7 @@ def test_the_check_plans_five_minutes_and_passes_unused_time_on() -> None:
 
 def test_a_failed_section_keeps_its_figures_and_says_why_in_one_line() -> None:
     from tools import gpu_check
-    from tools.gpu_sections import CheckContext
+    from tools.gpu_context import CheckContext
 
     ctx = CheckContext(torch.device("cpu"), True, ROOT)
 
@@ -356,7 +356,7 @@ def test_a_failed_section_keeps_its_figures_and_says_why_in_one_line() -> None:
 def test_a_test_run_past_its_time_is_killed_with_its_workers_and_keeps_its_output(
     tmp_path: Path,
 ) -> None:
-    from tools.gpu_sections import _pytest
+    from tools.gpu_correctness import run_pytest
 
     tests = tmp_path / "test_slow.py"
     tests.write_text(
@@ -366,7 +366,7 @@ def test_a_test_run_past_its_time_is_killed_with_its_workers_and_keeps_its_outpu
         "def test_slow():\n    time.sleep(60)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = _pytest([str(tests)], env, timeout=10, log=tmp_path / "log")
+    res = run_pytest([str(tests)], env, timeout=10, log=tmp_path / "log")
     assert not res["passed"] and res["summary"].startswith("killed after 10 s")
     assert "1 passed, 1 failed so far" in res["summary"]
     assert any("test_fails" in line for line in res["failures"])

@@ -1,7 +1,9 @@
 """Maintained measurement tools, run from the repository root as `python -m tools.<name>`:
 
     compare_peers            one workload through cbgen, transformers and vLLM's CPU build
-    gpu_check                the offline GPU check, with gpu_sections and gpu_fixtures
+    gpu_check                the offline GPU check: its sections (gpu_correctness, gpu_speed)
+                             share gpu_context; gpu_plan, the variants each compiles;
+                             gpu_fixtures, the checkpoints and batches
     attention_sweep          on a GPU: decode attention tiles and an 8B layer's matmuls, timed
     prefill_attention_bench  on the CPU: the C prefill attention against the decode kernel and
                              SDPA by chunk shape (where the build's prefill split comes from)

@@ -6,7 +6,7 @@
 
 It needs only what the GPU machine has: torch, triton, transformers, safetensors, pytest (no
 network, no model files, nothing installed). Models are random-weight checkpoints built on the
-spot. The sections (tools/gpu_sections.py) run in order, each within its own time budget (a
+spot. The sections (tools/gpu_correctness.py, tools/gpu_speed.py) run in order, each within its own time budget (a
 section past it is interrupted; one whose turn comes after the total budget is spent is
 skipped), each catching its own failure. After every section the results file is rewritten, so
 a run cut short still leaves what it measured:
@@ -92,20 +92,20 @@ kernels_importable(children=True)
 
 import torch  # noqa: E402
 
-from tools import gpu_sections  # noqa: E402
-from tools.gpu_sections import CheckContext  # noqa: E402
+from tools import gpu_correctness, gpu_plan, gpu_speed  # noqa: E402
+from tools.gpu_context import CheckContext  # noqa: E402
 
 # (name, section, share of the total budget in seconds); the shares sum to TOTAL_BUDGET_S
 SECTIONS: list[tuple[str, Callable[[CheckContext], bool], float]] = [
-    ("kernels", gpu_sections.kernels, 15),
-    ("greedy_fp32", gpu_sections.greedy_fp32, 55),
-    ("bf16_top1", gpu_sections.bf16_top1, 20),
-    ("sampling", gpu_sections.sampling, 25),
-    ("memory", gpu_sections.memory, 20),
-    ("graphs", gpu_sections.graphs, 35),
-    ("throughput", gpu_sections.throughput, 50),
-    ("roofline_8b", gpu_sections.roofline_8b, 20),
-    ("kernel_tests", gpu_sections.kernel_tests, 60),
+    ("kernels", gpu_correctness.kernels, 15),
+    ("greedy_fp32", gpu_correctness.greedy_fp32, 55),
+    ("bf16_top1", gpu_correctness.bf16_top1, 20),
+    ("sampling", gpu_correctness.sampling, 25),
+    ("memory", gpu_speed.memory, 20),
+    ("graphs", gpu_speed.graphs, 35),
+    ("throughput", gpu_speed.throughput, 50),
+    ("roofline_8b", gpu_speed.roofline_8b, 20),
+    ("kernel_tests", gpu_correctness.kernel_tests, 60),
 ]
 TARGETS = {
     # name: (where the value is, target, met)
@@ -284,7 +284,7 @@ def plan_text(args: argparse.Namespace) -> str:
     before = 0.0
     seen: set[str] = set()
     for name, _, deadline in schedule(args):
-        compiles = gpu_sections.expected_compiles(name, args.quick)
+        compiles = gpu_plan.expected_compiles(name, args.quick)
         new = [c for c in compiles if c not in seen]
         seen.update(compiles)
         lines.append(
