@@ -15,7 +15,8 @@ import pytest
 
 from cbgen.config import SamplingParams
 from cbgen.engine import kv_cache
-from cbgen.engine.kv_cache import KVCacheManager, hash_block
+from cbgen.engine.block_pool import hash_block
+from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.request import Request
 
 
@@ -113,7 +114,7 @@ def test_hash_block_is_a_sha256_chain_over_int64_token_ids() -> None:
 def test_hash_block_is_stable_across_processes() -> None:
     """Not Python's hash(): the same digest under another PYTHONHASHSEED."""
     code = (
-        "from cbgen.engine.kv_cache import hash_block as h;"
+        "from cbgen.engine.block_pool import hash_block as h;"
         "print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")

@@ -37,7 +37,8 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from cbgen.engine.kv_cache import KVCacheBlock, KVCacheManager
+from cbgen.engine.block_pool import KVCacheBlock
+from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.request import Request, RequestStatus
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput, _StepBuilder
 
