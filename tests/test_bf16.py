@@ -341,3 +341,22 @@ def test_bf16_top1_against_transformers_bf16_per_family(
     # activations keep it on float32's tokens where transformers' bf16 ones part)
     assert agree(ours, hf_fp32) >= agree(hf_bf16, hf_fp32) - 0.05, figures
     assert agree(ours, hf_bf16) >= min(0.85, agree(hf_bf16, hf_fp32) - 0.05), figures
+
+
+def test_a_packed_bf16_weight_is_the_layers_one_copy(bf16_checkpoint: Path) -> None:
+    """Once packed, a layer's own weight is freed (the model takes its checkpoint's bytes, a
+    tied head aside); what the kernel refuses (here a 3-D input) is torch's matmul on the
+    weight rebuilt from the panels."""
+    weight, x, bias = _case(7, 96, 33, seed=9)
+    method = PackedBf16Linear.pack(weight, dot=False)
+    assert method is not None and torch.equal(method.unpack(), weight)
+    got = method.apply(x[None], weight.new_empty(0), bias)
+    assert torch.allclose(got[0], x @ weight.float().T + bias, rtol=1e-5, atol=1e-5)
+    engine = _engine(bf16_checkpoint, dtype="bfloat16")
+    model = engine.model
+    assert all(layer.weight.numel() == 0 for layer in model.linear_layers())
+    assert model.head_weight.numel() == 0  # the tiny Llama's head is untied
+    held = sum(p.numel() for p in model.parameters()) + sum(
+        m.panels.numel() for m in _methods(engine)
+    )
+    assert held <= engine.model_config.num_parameters() + 32 * len(_methods(engine))

@@ -20,10 +20,14 @@ def test_the_estimate_counts_the_packed_copies_of_float32_weights() -> None:
     mc = BUILTIN_SHAPES["llama-8b"]
     params = mc.num_parameters()
     assert cpu_model_bytes(mc, torch.float32) == 3 * 4 * params
-    assert cpu_model_bytes(mc, torch.bfloat16) == 2 * params
+    # bf16: the packed panels replace the weights (untied head); fp16: the weights as stored
+    assert cpu_model_bytes(mc, torch.bfloat16) == cpu_model_bytes(mc, torch.float16) == 2 * params
     check_cpu_memory(mc, torch.bfloat16, 2 * params, "m")  # just fits
     with pytest.raises(ValueError, match=r"needs about .* in bfloat16 on the CPU \(weights\)"):
         check_cpu_memory(mc, torch.bfloat16, 2 * params - 1, "m")
+    tied = BUILTIN_SHAPES["smollm2-135m"]  # a tied head is packed beside the embedding
+    head = tied.vocab_size * tied.hidden_size
+    assert cpu_model_bytes(tied, torch.bfloat16) == 2 * (tied.num_parameters() + head)
 
 
 def test_an_8b_model_in_float32_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,5 +66,7 @@ def test_a_mixture_of_experts_counts_its_experts_once() -> None:
     assert stacked == expert_parameters(mc) > 0
     params = mc.num_parameters()
     assert cpu_model_bytes(mc, torch.float32) == 4 * (3 * (params - stacked) + stacked)
-    assert cpu_model_bytes(mc, torch.bfloat16) == 2 * params
+    assert cpu_model_bytes(mc, torch.bfloat16) == 2 * (
+        params + (mc.vocab_size * mc.hidden_size if mc.tie_word_embeddings else 0)
+    )
     assert expert_parameters(BUILTIN_SHAPES["llama-8b"]) == 0

@@ -104,7 +104,9 @@ def test_bf16_storage_gives_the_float32_tokens_on_the_upcast_weights(
     model = engine.model
     assert engine.weight_dtype == torch.bfloat16
     for name, p in model.named_parameters():  # matmul weights, experts, embedding, head
-        assert p.dtype == (torch.bfloat16 if p.dim() >= 2 else torch.float32), name
+        # (a weight packed into bf16 panels is freed: an empty bf16 tensor is left)
+        matmul = p.dim() >= 2 or (p.numel() == 0 and p.dtype == torch.bfloat16)
+        assert p.dtype == (torch.bfloat16 if matmul else torch.float32), name
     # the weights stay in bf16 (no float32 copies): widened to float32 in the C matmul where
     # the kernels built (the float32 sums on those weights), else torch's upcast
     methods = [model.head_method, *(layer.method for layer in model.linear_layers())]

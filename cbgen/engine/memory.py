@@ -34,10 +34,13 @@ def _size(n: float) -> str:
 
 def cpu_model_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
     """The weights' memory on the CPU: in float32 each matmul weight is kept with two packed
-    copies (oneDNN's layout and small_gemm's panels), so about three times the checkpoint;
-    a mixture of experts' stacked expert weights are kept once."""
+    copies (oneDNN's layout and small_gemm's panels), so about three times the checkpoint; a
+    mixture of experts' stacked expert weights are kept once. In bfloat16 the packed panels
+    replace the weights (cbgen.runtime.cpu), but a tied head is packed beside the embedding."""
     elt = torch.finfo(dtype).bits // 8
     params = mc.num_parameters()
+    if dtype == torch.bfloat16 and mc.tie_word_embeddings:
+        return (params + mc.vocab_size * mc.hidden_size) * elt
     if dtype != torch.float32:
         return params * elt
     experts = expert_parameters(mc)

@@ -125,14 +125,19 @@ def prepare(
 def _pack_bf16(model: CausalLM, dot: bool) -> None:
     """Weights kept in bfloat16: each layer's (and the head's) packed into bf16 panels where its
     shape allows (the others keep torch's upcast), multiplied with bf16 dot products (dot) or
-    widened to float32; no exact head (it needs float32 weights)."""
+    widened to float32; no exact head (it needs float32 weights). A packed weight's own
+    storage is freed: the panels are the one copy (a tied head's weight stays: the embedding
+    reads it), so the model takes its checkpoint's bytes (cbgen.engine.memory)."""
     for layer in model.linear_layers():
         method = PackedBf16Linear.pack(layer.weight.data, dot)
         if method is not None:
             layer.method = method
+            layer.weight.data = layer.weight.data.new_empty(0)
     head = PackedBf16Linear.pack(model.head_weight.data, dot)
     if head is not None:
         model.head_method = head
+        if not model.config.tie_word_embeddings:
+            model.lm_head_weight.data = model.lm_head_weight.data.new_empty(0)
 
 
 def bf16_native() -> bool:

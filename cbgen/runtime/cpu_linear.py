@@ -112,4 +112,12 @@ class PackedBf16Linear:
             y = bf16.small_gemm_bf16(x, self.panels, self.k, bias, self.dot)
             if y is not None:
                 return y
-        return TORCH_LINEAR.apply(x, weight, bias)
+        # what the kernel refuses: torch's matmul on the weight, rebuilt from the panels where
+        # the layer no longer holds it (the runtime frees it once packed)
+        return TORCH_LINEAR.apply(x, weight if weight.numel() else self.unpack(), bias)
+
+    def unpack(self) -> torch.Tensor:
+        """The weight [N, k] the panels were packed from (k in pairs: [P, K2, 32, 2])."""
+        p, kp, panel = self.panels.shape
+        pairs = self.panels.view(p, kp // 2, panel, 2).permute(0, 2, 1, 3)
+        return pairs.reshape(p * panel, kp)[:, : self.k]
