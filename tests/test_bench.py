@@ -26,21 +26,7 @@ from cbgen.bench.workloads import (
 )
 from cbgen.config import EngineConfig, parse_size
 from cbgen.engine.engine import Engine
-
-TINY_LLAMA = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-    eos_token_id=2,
-)
+from tools.model_shapes import TINY_LLAMA
 
 
 @pytest.fixture(scope="module")

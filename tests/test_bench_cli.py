@@ -17,21 +17,8 @@ from typer.testing import CliRunner
 from cbgen.bench.command import bench
 from cbgen.bench.sharegpt import sample_sharegpt
 from cbgen.bench.workloads import poisson_arrivals
+from tools.model_shapes import TINY_LLAMA
 
-TINY_LLAMA = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-    eos_token_id=2,
-)
 REQUIRED = (
     "requests_per_s",
     "output_tokens_per_s",
@@ -79,7 +66,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from cbgen.models.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-with-tokenizer")
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    config = {**TINY_LLAMA, "max_position_embeddings": 2048}
+    (folder / "config.json").write_text(json.dumps(config))
     load_tokenizer(resolve_model(None)).save_pretrained(folder)
     return folder
 

@@ -12,28 +12,15 @@ from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.outputs import RequestOutput
 from cbgen.engine.static_scheduler import PAD_ID_PREFIX
-
-TINY_LLAMA = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-    eos_token_id=2,
-)
+from tools.model_shapes import TINY_LLAMA
 
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     """A tiny dummy-weight llama (no tokenizer: token-id prompts), loaded once."""
     folder = tmp_path_factory.mktemp("tiny-static")
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    config = {**TINY_LLAMA, "max_position_embeddings": 256}
+    (folder / "config.json").write_text(json.dumps(config))
     return Engine(
         EngineConfig(model=str(folder), load_format="dummy", kv_cache_memory=4 << 20, num_threads=1)
     )

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_hf_model
+from helpers.models import make_tiny_hf_model
 
 from cbgen.attention import torch_backend
 from cbgen.config import SamplingParams

@@ -7,12 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from test_run_cli import chat_model, read_rows, run, tiny, write_jsonl
+from helpers.cli import read_rows, run, tiny, write_jsonl
 
 from cbgen.io.parse import parse_mapping
 from cbgen.io.rows import ChatDefaults, ColumnSpec
-
-__all__ = ["chat_model"]  # a fixture, used by name
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

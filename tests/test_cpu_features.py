@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cbgen.cpu import features
 from cbgen.cpu.features import (
     CpuInfo,
     cpu_info,
@@ -171,6 +172,20 @@ def test_cpu_info_without_os_files_keeps_every_fast_path_off(tmp_path: Path) -> 
     assert read_caches(caches) == (("L2", 1 << 20),)
 
 
-def test_this_cpu_is_read_once() -> None:
-    assert cpu_info() is cpu_info()
-    assert cpu_info().describe().startswith("CPU ")
+def test_this_cpu_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OS files are read on the first call; later calls answer from what it read."""
+    reads: list[None] = []
+    real = features.read_cpu_info
+
+    def counted(*args: object, **kwargs: object) -> CpuInfo:
+        reads.append(None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(features, "read_cpu_info", counted)
+    features.cpu_info.cache_clear()
+    try:
+        first = cpu_info()
+        assert [cpu_info(), cpu_info()] == [first, first] and len(reads) == 1
+    finally:
+        features.cpu_info.cache_clear()  # the next caller reads the real files again
+    assert first.describe().startswith("CPU ")

@@ -4,12 +4,15 @@ build, and the thresholds each engine's runtime then holds."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from cbgen.cpu import build, head_kernels, thresholds, tuning
+from cbgen.cpu import build, gemm, head_kernels, thresholds, tuning
 from cbgen.cpu.linear import onednn_packing_available
 from cbgen.engine.engine import Engine
 from cbgen.runtime.cpu import CpuRuntime
@@ -35,12 +38,31 @@ def test_blocks_start_where_they_stop_losing_for_good() -> None:
 
 
 @needs_kernels
-def test_measure_blocked_times_both_paths() -> None:
-    got = tuning.measure_blocked(reps=1)
+def test_measure_blocked_times_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row count runs every layer's weights through the row tiles (row blocks from past it)
+    and through the row blocks (from 1 row on): a warm-up and reps timed passes each."""
+    calls: list[tuple[int, int]] = []
+    real = gemm.small_gemm
+
+    def counted(x: torch.Tensor, panels: torch.Tensor, bias: None, blocked_from: int) -> Any:
+        calls.append((x.shape[0], blocked_from))
+        return real(x, panels, bias, blocked_from)
+
+    monkeypatch.setattr(gemm, "small_gemm", counted)
+    got = tuning.measure_blocked(reps=2)
     assert got is not None
     tiles, blocked = got
     assert len(tiles) == len(blocked) == len(tuning.BLOCKED_TRIED)
-    assert all(0 < t < 5 for t in (*tiles, *blocked))
+    assert all(math.isfinite(t) and t > 0 for t in (*tiles, *blocked))
+    weights = len(tuning.LAYER_SHAPES) * tuning.LAYERS
+    passes = 1 + 2  # the warm-up, then reps
+    assert calls == [
+        (rows, blocked_from)
+        for rows in tuning.BLOCKED_TRIED
+        for _ in range(passes)
+        for blocked_from in (rows + 1, 1)  # in turns: the tiles, then the blocks
+        for _ in range(weights)
+    ]
 
 
 def test_crossover_keeps_the_largest_row_count_before_the_first_loss() -> None:

@@ -4,19 +4,18 @@ prompts long enough to go through the C prefill kernel, whole and in chunks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_engine
+from helpers.models import tiny_engine
+from helpers.reference import NEW_TOKENS, hf_greedy, run_cbgen, settings
 
 from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
-
-NEW_TOKENS = 32
 
 SMOLLM2_PROMPTS: list[Any] = [
     "The capital of France is",
@@ -40,53 +39,6 @@ SMOLLM2_PROMPTS: list[Any] = [
         }
     ],
 ]
-
-
-def hf_greedy(model: Any, prompt_ids: Sequence[int], n: int) -> list[int]:
-    from transformers import GenerationConfig
-
-    x = torch.tensor([list(prompt_ids)])
-    # ignore_eos: no EOS anywhere, so generation runs to n tokens without masking EOS.
-    model.generation_config.eos_token_id = None
-    gc = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
-    return out[0, x.shape[1] :].tolist()
-
-
-def settings(prompt_lens: list[int], engine_for_sizes: Engine) -> dict[str, dict[str, Any]]:
-    """The four configurations every model is checked under."""
-    longest = max(prompt_lens) + NEW_TOKENS
-    per_block = engine_for_sizes.kv_bytes_per_block
-    bs = engine_for_sizes.config.block_size
-    chunk = max(1, min(prompt_lens) // 3)
-    # room for the longest request plus a little: several requests cannot coexist
-    preempt: dict[str, Any] = {"enable_prefix_caching": False}
-    windows = engine_for_sizes.model_config.layer_windows
-    if windows and None not in windows:
-        # a window in every layer: a request holds at most its window and a chunk of blocks
-        preempt["max_num_batched_tokens"] = chunk
-        longest = min(longest, max(w for w in windows if w is not None) + chunk)
-    preempt["kv_cache_memory"] = per_block * (-(-longest // bs) + 2)
-    return {
-        "default": {},
-        "chunked": {"max_num_batched_tokens": chunk},
-        "preempt": preempt,
-        "one_slot": {"max_num_seqs": 1},
-    }
-
-
-def run_cbgen(
-    base: Engine, overrides: dict[str, Any], prompts: list[list[int]]
-) -> tuple[list[list[int]], int]:
-    engine = Engine(base.config.replace(**overrides), share_weights_with=base)
-    llm = LLM(engine=engine)
-    outs = llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    )
-    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
-    assert engine.kv.num_used_blocks == 0
-    return [o.output_token_ids for o in outs], engine.total_preemptions
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,14 @@ Gemma 3 checkpoint's language model on text. And how config.json's Gemma fields 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, save_random
+from helpers.models import save_random
+from helpers.reference import hf_greedy
 
 from cbgen.config import AttentionBackendName, EngineConfig, SamplingParams
 from cbgen.cpu.build import native_status
@@ -24,6 +25,7 @@ from cbgen.llm import LLM
 from cbgen.models.config import ModelConfig
 from cbgen.models.ops import TORCH_OPS
 from cbgen.runtime.cpu_ops import CPU_OPS
+from tools.model_shapes import TINY_CONFIGS
 
 NEW_TOKENS = 24
 FIRST = [
@@ -37,17 +39,6 @@ SECOND = [  # sharing full blocks (of 4) with FIRST, whose KV is cached by then
     [*FIRST[1], 1, 2, 3, 4, 5, 6],
     [9, 8, 7, 6, 5, 4, 3],
 ]
-
-
-def hf_greedy(model: Any, prompt: Sequence[int], n: int) -> list[int]:
-    from transformers import GenerationConfig
-
-    x = torch.tensor([list(prompt)])
-    model.generation_config.eos_token_id = None
-    gc = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=[], pad_token_id=0)
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
-    return out[0, x.shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import make_tiny_hf_model
-from test_run_cli import cli_env, run, tiny, write_jsonl
+from helpers.cli import cli_env, run, tiny, write_jsonl
+from helpers.models import make_tiny_hf_model
 
 from cbgen.engine.engine import Engine
 from cbgen.models.hub import parse_hub_id

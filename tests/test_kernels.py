@@ -31,7 +31,7 @@ from typing import Any
 
 import cbgen_kernels
 import pytest
-from conftest import triton_kernels_can_run
+from helpers.kernels import triton_kernels_can_run
 
 from cbgen.attention import torch_backend as ref
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_engine
+from helpers.models import tiny_engine
 
 from cbgen.config import SamplingParams
 from cbgen.llm import LLM

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_requests import make_engine, model_dir
-from test_run_cli import TINY_CHAT_CONFIG, chat_model, read_rows, run, tiny, write_jsonl
+from helpers.cli import read_rows, run, tiny, write_jsonl
+from helpers.models import make_engine
 
 from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
@@ -19,8 +19,7 @@ from cbgen.engine.sampler import Sampler, SamplingRow
 from cbgen.io.parse import parse_mapping
 from cbgen.io.rows import ColumnSpec
 from cbgen.llm import LLM
-
-__all__ = ["chat_model", "model_dir"]  # fixtures, used by name
+from tools.model_shapes import TINY_CHAT_LLAMA
 
 PROMPTS = [[40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 3, 77, 42, 42, 9, 250, 17], [30, 31]]
 NEW_TOKENS = 12
@@ -206,7 +205,7 @@ def test_rows_carry_the_controls_to_sampling_params() -> None:
 def test_cbgen_run_applies_row_controls_and_refuses_bad_ids(
     tmp_path: Path, chat_model: Path
 ) -> None:
-    vocab = TINY_CHAT_CONFIG["vocab_size"]
+    vocab = TINY_CHAT_LLAMA["vocab_size"]
     src = write_jsonl(
         tmp_path / "c.jsonl",
         [

@@ -11,13 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_run_cli import (  # the CLI helpers and the tiny chat model fixture
-    chat_model,
-    read_rows,
-    run,
-    tiny,
-    write_jsonl,
-)
+from helpers.cli import read_rows, run, tiny, write_jsonl
 
 from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
@@ -25,8 +19,6 @@ from cbgen.engine.logprobs import TokenLogprob
 from cbgen.engine.outputs import RequestOutput
 from cbgen.io.parse import make_params, parse_mapping
 from cbgen.io.rows import ColumnSpec, RowError
-
-__all__ = ["chat_model"]  # a fixture, used by name
 
 TOL = 1e-4
 PROMPTS = [

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_run_cli import TINY_CHAT_CONFIG, cli, cli_env, write_jsonl
+from helpers.cli import cli, cli_env, write_jsonl
 
 from cbgen.models import gguf_file
 from cbgen.models.config import ModelConfig
@@ -28,6 +28,7 @@ from cbgen.models.loader import iter_safetensors_weights, load_model, load_model
 from cbgen.models.safetensors_file import check_safetensors
 from cbgen.models.source import ModelSource
 from cbgen.models.tokenizer import load_tokenizer
+from tools.model_shapes import TINY_CHAT_LLAMA
 
 # ---- a GGUF file, byte by byte ---------------------------------------------------------------
 
@@ -300,7 +301,7 @@ def test_gguf_metadata_errors_name_the_file_and_key(
 
 
 def config_with(**changes: Any) -> str:
-    cfg = {**TINY_CHAT_CONFIG, **changes}
+    cfg = {**TINY_CHAT_LLAMA, **changes}
     return json.dumps({k: v for k, v in cfg.items() if v is not ...})
 
 

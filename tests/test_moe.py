@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TINY_CONFIGS, make_tiny_hf_model, tiny_engine
+from helpers.models import make_tiny_hf_model, tiny_engine
+from helpers.reference import hf_greedy
 from safetensors.torch import save_file
 
 from cbgen.config import EngineConfig, SamplingParams
@@ -32,6 +33,7 @@ from cbgen.models.config import ModelConfig
 from cbgen.models.errors import ModelFileError
 from cbgen.models.moe import SparseMoeBlock, grouped_experts, route, sort_by_expert
 from cbgen.models.ops import TORCH_OPS
+from tools.model_shapes import TINY_CONFIGS
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KINDS = pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
@@ -193,21 +195,12 @@ def test_triton_grouped_moe_refuses_mismatched_weights() -> None:
     assert cbgen_kernels.grouped_moe(x, rows[:0], offsets * 0, w13, w2).shape == (0, 64)
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+def hf_greedy_all(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens of each prompt, EOS ignored (helpers.reference.hf_greedy)."""
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # as ignore_eos: on past EOS, unmasked
-    gc = GenerationConfig(
-        do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0
-    )
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            x = torch.tensor([p])
-            ids = model.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    return [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
 
 
 def cbgen_greedy(folder: Path, **overrides: Any) -> list[list[int]]:
@@ -223,7 +216,7 @@ def test_greedy_matches_transformers(kind: str, tiny_model_dir: Callable[[str], 
     """Five prompts of 3-37 tokens in one batch, on the torch and cpu attention backends, and
     in prefill chunks of 4 tokens."""
     folder = tiny_model_dir(kind)
-    expected = hf_greedy(folder, PROMPTS)
+    expected = hf_greedy_all(folder, PROMPTS)
     for overrides in (
         {"attention_backend": "torch"},
         {"attention_backend": "cpu"},
@@ -327,7 +320,7 @@ def test_sliding_window_matches_transformers(
     prompts and generations past it: transformers' tokens, which differ from the same weights'
     without a window."""
     folder = make_tiny_hf_model(kind, tmp_path / kind, sliding_window=8, **window)
-    expected = hf_greedy(folder, PROMPTS)
-    assert expected != hf_greedy(tiny_model_dir(kind), PROMPTS)
+    expected = hf_greedy_all(folder, PROMPTS)
+    assert expected != hf_greedy_all(tiny_model_dir(kind), PROMPTS)
     for backend in ("torch", "cpu"):
         assert cbgen_greedy(folder, attention_backend=backend) == expected, backend

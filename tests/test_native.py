@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.reference import attention_float64
 
 from cbgen.attention import cpu_backend, torch_backend
 from cbgen.cpu import build as cpu_build
@@ -366,7 +367,7 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path(
     for i in (3, 4):
         (qlen, seq_len), start = shape[i], int(qsl[i])
         keys = kv[:, block_table[i]].flatten(1, 2)[:, :seq_len]  # [2, L, Hkv, D]
-        exact = _causal_reference(q[start : start + qlen], keys[0], keys[1], 0.125)
+        exact = attention_float64(q[start : start + qlen], keys[0], keys[1], 0.125)
         torch.testing.assert_close(got[start : start + qlen].double(), exact, rtol=1e-5, atol=1e-5)
     # every token through the kernel: the result comes straight back from it
     small = cpu_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs)
@@ -377,19 +378,6 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path(
         q[:n], kv, torch_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs), 0.125
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def _causal_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """float64 softmax attention written out: q [Q, H, D] at positions L - Q .. L - 1."""
-    qlen, heads, _ = q.shape
-    seq_len, kv_heads, _ = k.shape
-    group = heads // kv_heads
-    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
-    visible = torch.arange(seq_len)[None, :] <= seq_len - qlen + torch.arange(qlen)[:, None]
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
 
 
 @pytest.mark.usefixtures("each_build")
@@ -414,7 +402,7 @@ def test_prefill_attention_matches_a_float64_causal_softmax(
     got = kernels.prefill_attention_f32(q, k, v, d**-0.5)
     assert got is not None
     torch.testing.assert_close(
-        got.double(), _causal_reference(q, k, v, d**-0.5), rtol=1e-5, atol=2e-6
+        got.double(), attention_float64(q, k, v, d**-0.5), rtol=1e-5, atol=2e-6
     )
     # query rows inside a wider tensor (the fused qkv layout): same answer
     wide = torch.randn(qlen, heads * d + 2 * kv_heads * d)
@@ -936,7 +924,7 @@ def test_the_checks_hold_under_python_optimisations() -> None:
     """`python -O` strips assert statements; the wrappers' checks are not asserts."""
     code = (
         "import torch\n"
-        "from cbgen.cpu import kernels\n"
+        "from cbgen.cpu import gemm\n"
         "assert False, 'assert statements still run'\n"
         "try:\n"
         "    gemm.small_gemm(torch.randn(2, 64, dtype=torch.float64), torch.randn(3, 64, 32), None)\n"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.reference import attention_float64
 
 from cbgen.cpu import build, kernels
 from cbgen.cpu.features import cpu_info, isa_refusal
@@ -121,28 +122,6 @@ def prefill_build(
     return made.library
 
 
-def _reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    window: int | None,
-    cap: float | None,
-) -> torch.Tensor:
-    """Query row t at position L - Q + t over keys p - W < j <= p, scores capped, in float64."""
-    qlen, heads, _ = q.shape
-    seq_len, kv_heads, _ = k.shape
-    group = heads // kv_heads
-    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
-    if cap is not None:
-        scores = cap * torch.tanh(scores / cap)
-    pos = seq_len - qlen + torch.arange(qlen)[:, None]
-    keys = torch.arange(seq_len)[None, :]
-    visible = (keys <= pos) & (keys > pos - (window if window is not None else seq_len + 1))
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
-
-
 @pytest.mark.parametrize(
     ("qlen", "ctx", "heads", "kv_heads", "d", "window", "cap"),
     [
@@ -175,5 +154,5 @@ def test_prefill_kernel_matches_a_float64_softmax(
     k, v = torch.randn(ctx + qlen, kv_heads, d), torch.randn(ctx + qlen, kv_heads, d)
     got = kernels.prefill_attention_f32(q, k, v, d**-0.5, window, cap)
     assert got is not None
-    want = _reference(q, k, v, d**-0.5, window, cap)
+    want = attention_float64(q, k, v, d**-0.5, window, cap)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)

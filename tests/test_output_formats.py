@@ -9,11 +9,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from test_run_cli import chat_model, run, tiny, write_jsonl
+from helpers.cli import run, tiny, write_jsonl
 
 from cbgen.io.export import resolve_format
-
-__all__ = ["chat_model"]  # a fixture, used by name
 
 ROWS = [
     {

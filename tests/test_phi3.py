@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_engine
-from test_exact import NEW_TOKENS, hf_greedy, run_cbgen, settings
+from helpers.models import tiny_engine
+from helpers.reference import NEW_TOKENS, hf_greedy, run_cbgen, settings
 
 from cbgen.config import SamplingParams
 from cbgen.cpu.kernels import fused_ops_available

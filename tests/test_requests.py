@@ -2,21 +2,22 @@
 error for that request only, stop strings, stop token ids, EOS, ignore_eos and min_tokens.
 
 The engine runs the tiny random-weight Llama (vocabulary 256) with a character-level
-tokenizer written here: ids 0-3 are <pad> <s> </s> <unk>, then one id per printable ASCII
-character, then two-letter strings ("aa", "ab", ...), so text is cheap and exact."""
+tokenizer (helpers.models.write_char_tokenizer: ids 0-3 are <pad> <s> </s> <unk>, then one id
+per printable ASCII character, then two-letter strings ("aa", "ab", ...), so text is cheap and
+exact; the model_dir fixture)."""
 
 from __future__ import annotations
 
 import math
 import re
 import shutil
-import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers.models import make_engine, write_char_tokenizer
 
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
@@ -25,50 +26,6 @@ from cbgen.llm import LLM
 VOCAB = 256
 MAX_MODEL_LEN = 64
 NUM_BLOCKS = 8  # of 4 tokens: 32 tokens of KV cache, less than max_model_len
-
-
-def write_char_tokenizer(folder: Path, eos_token: str = "</s>") -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["<pad>", "<s>", "</s>", "<unk>"]
-    chars = [chr(c) for c in range(32, 127)]
-    pairs = [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]
-    tokens = (special + chars + pairs)[:VOCAB]
-    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token=eos_token,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        clean_up_tokenization_spaces=False,
-    ).save_pretrained(folder)
-
-
-@pytest.fixture(scope="module")
-def model_dir(
-    tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama-chars")
-    shutil.copytree(tiny_model_dir("llama"), folder, dirs_exist_ok=True)
-    write_char_tokenizer(folder)
-    return folder
-
-
-def make_engine(folder: Path, **overrides: Any) -> Engine:
-    # one thread: two test workers share two cores
-    cfg = EngineConfig(
-        model=str(folder),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        kv_cache_memory=1 << 20,
-        num_threads=1,
-    )
-    return Engine(cfg.replace(**overrides))
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,9 @@ from typing import Any
 
 import cbgen_kernels
 import pytest
-from conftest import tiny_engine, triton_kernels_can_run
-from test_exact import hf_greedy
+from helpers.kernels import triton_kernels_can_run
+from helpers.models import tiny_engine
+from helpers.reference import hf_greedy
 
 from cbgen.attention import torch_backend
 from cbgen.config import SamplingParams

@@ -9,43 +9,35 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import REPO
+from helpers.cli import (
+    STATUS,
+    Running,
+    assert_complete,
+    check_latencies,
+    cli,
+    cli_env,
+    many_rows,
+    read_rows,
+    run,
+    staged_rows,
+    tiny,
+    write_jsonl,
+)
 
 from cbgen.io.schema import LATENCY_COLUMNS, LOGPROB_COLUMNS
-from cbgen.io.writer import read_stream
 
-REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample_data"
-TINY_CHAT_CONFIG = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=49152,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    rope_theta=10000.0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-STATUS = re.compile(r"^\[cbgen (\S+)\] rows (\d+)(?:/(\d+))? ")
+
 BASE_COLUMNS = [
     "id",
     "row",
@@ -63,155 +55,6 @@ BASE_COLUMNS = [
     "num_preemptions",
     *LOGPROB_COLUMNS,
 ]
-
-
-@pytest.fixture(scope="session")
-def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """config.json (dummy weights) + SmolLM2's tokenizer files; built by the first xdist worker
-    that gets here and renamed into place atomically, reused by the others."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    final = root / "cbgen-run-tiny-chat"
-    if (final / "config.json").exists():
-        return final
-    from cbgen.models.source import resolve_model
-    from cbgen.models.tokenizer import load_tokenizer
-
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-chat-"))
-    load_tokenizer(resolve_model(None)).save_pretrained(tmp)
-    (tmp / "config.json").write_text(json.dumps(TINY_CHAT_CONFIG))
-    try:
-        os.rename(tmp, final)
-    except OSError:  # another worker got there first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(
-        HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", COLUMNS="200", PYTHONWARNINGS="ignore"
-    )
-    env.update(extra)
-    return env
-
-
-def cli(*args: str) -> list[str]:
-    exe = Path(sys.executable).parent / "cbgen"
-    if exe.exists():
-        return [str(exe), *args]
-    return [sys.executable, "-c", "from cbgen.cli import main; main()", *args]
-
-
-def tiny(model: Path, *more: str) -> list[str]:
-    return [
-        "--model",
-        str(model),
-        "--load-format",
-        "dummy",
-        "--temperature",
-        "0",
-        "--num-threads",
-        "1",
-        "--kv-cache-memory",
-        "16MiB",
-        "--max-tokens",
-        "4",
-        *more,
-    ]
-
-
-def run(
-    args: Sequence[str],
-    timeout: float = 180,
-    env: dict[str, str] | None = None,
-    input: str | None = None,
-    cwd: Path | None = None,
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        cli(*args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env or cli_env(),
-        input=input,
-        cwd=cwd,
-    )
-
-
-class Running:
-    """A CLI run in the background whose stdout lines are collected as they come."""
-
-    def __init__(
-        self, args: Sequence[str], env: dict[str, str] | None = None, stdin: Any = None
-    ) -> None:
-        self.proc = subprocess.Popen(
-            cli(*args),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env or cli_env(),
-            stdin=stdin,
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def rows_done(self) -> int:
-        done = [int(m.group(2)) for line in list(self.lines) if (m := STATUS.match(line))]
-        return max(done, default=0)
-
-    def wait_for(self, cond: Callable[[], bool], timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if self.proc.poll() is not None:
-                raise AssertionError("the run ended early:\n" + self.output())
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise AssertionError("timed out:\n" + self.output())
-            time.sleep(0.02)
-
-    def finish(self, timeout: float = 300) -> int:
-        code = self.proc.wait(timeout)
-        self._reader.join(10)
-        return code
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-
-def write_jsonl(path: Path, rows: Sequence[Any]) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    return (
-        pq.read_table(path)
-        .sort_by([("row", "ascending"), ("sample_index", "ascending")])
-        .to_pylist()
-    )
-
-
-def check_latencies(rows: Sequence[dict[str, Any]]) -> None:
-    for r in rows:
-        if r["finish_reason"] == "error":
-            assert all(r[c] is None for c in LATENCY_COLUMNS), r
-            continue
-        assert r["error"] is None
-        assert 0 <= r["queue_s"] <= r["ttft_s"] <= r["e2e_s"], r
-        if r["completion_tokens"] > 1:
-            assert r["tpot_s"] >= 0 and 0 <= r["itl_p50_s"] <= r["itl_p99_s"] <= r["itl_max_s"], r
-
-
-def staged_rows(staging: Path) -> int:
-    return sum(b.num_rows for f in sorted(staging.glob("*.arrows")) for b in read_stream(f))
 
 
 # ---- options and errors ----------------------------------------------------------------------
@@ -560,28 +403,8 @@ def test_stdin_rows_reach_the_engine_before_the_input_ends(
 # ---- interruptions ---------------------------------------------------------------------------
 
 
-def _many_rows(path: Path, n: int, max_tokens: int = 16) -> Path:
-    return write_jsonl(
-        path,
-        [
-            {"id": f"r{i}", "prompt": f"Row number {i} asks for a story.", "max_tokens": max_tokens}
-            for i in range(n)
-        ],
-    )
-
-
-def _assert_complete(path: Path, n: int) -> list[dict[str, Any]]:
-    rows = read_rows(path)
-    ids = [r["id"] for r in rows]
-    assert len(ids) == len(set(ids)) == n  # each id exactly once
-    assert sorted(ids) == sorted(f"r{i}" for i in range(n))
-    assert all(r["finish_reason"] == "length" for r in rows)
-    check_latencies(rows)
-    return rows
-
-
 def test_kill_9_mid_run_then_rerun_resumes(tmp_path: Path, chat_model: Path) -> None:
-    src = _many_rows(tmp_path / "k.jsonl", 120)
+    src = many_rows(tmp_path / "k.jsonl", 120)
     args = ["run", str(src), *tiny(chat_model, "--max-num-seqs", "4", "--log-interval", "0.05")]
     r = Running(args)
     r.wait_for(lambda: r.rows_done() >= 15)
@@ -594,14 +417,14 @@ def test_kill_9_mid_run_then_rerun_resumes(tmp_path: Path, chat_model: Path) -> 
     again = run(args)
     assert again.returncode == 0, again.stderr + again.stdout
     assert f"this run generated {120 - saved} rows, resumed {saved}" in again.stdout
-    _assert_complete(tmp_path / "k.out.parquet", 120)
+    assert_complete(tmp_path / "k.out.parquet", 120)
     assert not (tmp_path / "k.out.partial").exists()
 
 
 def test_sigterm_flushes_and_says_how_to_resume_and_status_lines(
     tmp_path: Path, chat_model: Path
 ) -> None:
-    src = _many_rows(tmp_path / "t.jsonl", 240)
+    src = many_rows(tmp_path / "t.jsonl", 240)
     args = ["run", str(src), *tiny(chat_model, "--max-num-seqs", "4", "--log-interval", "0.1")]
     r = Running(args)
 
@@ -644,14 +467,14 @@ def test_sigterm_flushes_and_says_how_to_resume_and_status_lines(
         assert field in last, (field, last)
     again = run(args)
     assert again.returncode == 0, again.stderr + again.stdout
-    _assert_complete(tmp_path / "t.out.parquet", 240)
+    assert_complete(tmp_path / "t.out.parquet", 240)
 
 
 # ---- scale out -------------------------------------------------------------------------------
 
 
 def test_shards_cover_every_row_once_with_slurm_pickup(tmp_path: Path, chat_model: Path) -> None:
-    src = _many_rows(tmp_path / "s.jsonl", 31, max_tokens=2)
+    src = many_rows(tmp_path / "s.jsonl", 31, max_tokens=2)
     out_dir = tmp_path / "parts.parquet"
     base = ["run", str(src), "-o", str(out_dir), *tiny(chat_model, "--quiet")]
     procs = [
@@ -686,13 +509,13 @@ def test_shards_cover_every_row_once_with_slurm_pickup(tmp_path: Path, chat_mode
         part = pq.read_table(out_dir / f"part-{i:05d}-of-00003.parquet")
         assert all(row % 3 == i for row in part.column("row").to_pylist())
         assert (out_dir / f"_part-{i:05d}-of-00003.summary.json").exists()
-    _assert_complete(out_dir, 31)  # the folder reads as one dataset
+    assert_complete(out_dir, 31)  # the folder reads as one dataset
 
 
 def test_data_parallel_on_cpu_reports_a_killed_worker_and_resumes(
     tmp_path: Path, chat_model: Path
 ) -> None:
-    src = _many_rows(tmp_path / "dp.jsonl", 80)
+    src = many_rows(tmp_path / "dp.jsonl", 80)
     args = [
         "run",
         str(src),
@@ -718,7 +541,7 @@ def test_data_parallel_on_cpu_reports_a_killed_worker_and_resumes(
     again = run(args, timeout=300)
     assert again.returncode == 0, again.stderr + again.stdout
     assert f"resumed {saved}" in again.stdout
-    _assert_complete(tmp_path / "dp.out.parquet", 80)
+    assert_complete(tmp_path / "dp.out.parquet", 80)
     summary = json.loads((tmp_path / "dp.out.summary.json").read_text())
     assert summary["data_parallel_size"] == 2 and summary["this_run"]["rows_resumed"] == saved
 

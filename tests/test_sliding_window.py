@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import save_random
+from helpers.models import save_random
+from helpers.scheduling import FakeRunner, default_token, make_request, prefix_ids, workloads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler import FakeRunner, _prefix_ids, default_token, make_request, workloads
 
 from cbgen.attention import AttentionBackend, AttentionMetadata, select
 from cbgen.attention.cpu_backend import CpuAttentionBackend
@@ -466,7 +466,7 @@ class WindowRunner(FakeRunner):
             self.tables[rid].extend(s.new_block_ids)
             assert self.tables[rid] == self.sched.kv.block_ids(rid)
             end = s.num_computed_tokens + s.num_new_tokens
-            prefixes[rid] = prefix = _prefix_ids(self.tokens[rid][:end])
+            prefixes[rid] = prefix = prefix_ids(self.tokens[rid][:end])
             for pos in range(s.num_computed_tokens, end):
                 self.slots[self.slot(rid, pos)] = prefix[pos]
         sampled: dict[str, int] = {}

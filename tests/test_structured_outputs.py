@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_run_cli import chat_model, read_rows, run, tiny, write_jsonl
+from helpers.cli import read_rows, run, tiny, write_jsonl
 
 from cbgen.config import SamplingParams, StructuredOutputs
 from cbgen.engine.engine import Engine
@@ -19,8 +19,6 @@ from cbgen.engine.structured import Grammars, choice_regex, reasoning_open
 from cbgen.io.parse import parse_mapping
 from cbgen.io.rows import ColumnSpec
 from cbgen.llm import LLM
-
-__all__ = ["chat_model"]  # a fixture, used by name
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

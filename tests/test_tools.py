@@ -19,28 +19,19 @@ from cbgen.cpu import build
 from cbgen.engine.outputs import StepStats
 from tools import compare_peers
 from tools.cbgen_worker import attention_flops, flop_summary, keys_read
-
-TINY_LLAMA_SMOLLM2_VOCAB = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)  # fmt: skip
+from tools.model_shapes import TINY_CHAT_LLAMA, hf_model
 
 
 @pytest.fixture(scope="module")
 def peer_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A two-layer llama with SmolLM2's vocabulary and tokenizer (chat template included), in
     random weights saved by transformers: the folder every peer reads."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from cbgen.models.source import resolve_model
     from cbgen.models.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-peer-model")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model("llama", **TINY_LLAMA_SMOLLM2_VOCAB), dtype=torch.float32
-    )
+    fields = {**TINY_CHAT_LLAMA, "max_position_embeddings": 512, "tie_word_embeddings": False}
+    model = hf_model(fields, seed=0, pad_token_id=0)
     with torch.no_grad():  # large weights: logits far apart, so greedy is well defined
         for name, p in model.named_parameters():
             if "norm" not in name:
@@ -130,7 +121,7 @@ def test_compare_peers_runs_cbgen_and_both_transformers_modes_on_sharegpt(
     # and the model's shape; the matmuls' ceiling alone is kept too
     requests = json.loads((tmp_path / "workload.json").read_text())["requests"]
     positions = [len(r["prompt_token_ids"]) + r["output_len"] - 1 for r in requests]
-    c = TINY_LLAMA_SMOLLM2_VOCAB
+    c = TINY_CHAT_LLAMA
     layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
     head_dim = c["hidden_size"] // heads
     attn = layers * 4 * heads * head_dim * sum(n * (n + 1) // 2 for n in positions) / 1e9

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_CONFIGS, make_tiny_hf_model
-from test_exact import hf_greedy
-from test_run_cli import cli_env
-from test_run_cli import run as run_cli
+from helpers.cli import cli_env
+from helpers.cli import run as run_cli
+from helpers.models import make_tiny_hf_model
+from helpers.reference import hf_greedy
 
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.cpu import build
@@ -30,6 +30,7 @@ from cbgen.models import base as linear_mod
 from cbgen.models.base import TORCH_LINEAR
 from cbgen.runtime import cpu as cpu_runtime
 from cbgen.runtime.cpu_linear import PackedBf16Linear
+from tools.model_shapes import TINY_CONFIGS
 
 NEW_TOKENS = 24
 

@@ -4,6 +4,8 @@
     gpu_check                the offline GPU check: its sections (gpu_correctness, gpu_speed)
                              share gpu_context; gpu_plan, the variants each compiles;
                              gpu_fixtures, the checkpoints and batches
+    model_shapes             model shapes as config fields: the one registry of tiny models,
+                             shared by the GPU check and the test suite (tests/helpers)
     attention_sweep          on a GPU: decode attention tiles and an 8B layer's matmuls, timed
     prefill_attention_bench  on the CPU: the C prefill attention against the decode kernel and
                              SDPA by chunk shape (where the build's prefill split comes from)

@@ -16,11 +16,8 @@ import torch
 
 from cbgen.config import Device, Dtype, EngineConfig
 from cbgen.engine.engine import Engine
-from tools.gpu_fixtures import (
-    CHECKPOINTS,
-    QUICK_CHECKPOINTS,
-    build_checkpoint,
-)
+from tools.gpu_fixtures import build_checkpoint
+from tools.model_shapes import CHECKPOINTS, QUICK_CHECKPOINTS
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30

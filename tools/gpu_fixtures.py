@@ -1,7 +1,8 @@
 """What the GPU check builds on the machine it runs on, which has no network and no model files:
-random-weight Hugging Face checkpoints of real Llama and Qwen shapes (transformers writes them,
-cbgen and transformers both read them), a ShareGPT-like workload from a fixed seed, and a
-synthetic decode step at a chosen batch and context for timing.
+random-weight Hugging Face checkpoints of real Llama and Qwen shapes (tools.model_shapes:
+CHECKPOINTS and QUICK_CHECKPOINTS; transformers writes them, cbgen and transformers both read
+them), a ShareGPT-like workload from a fixed seed, and a synthetic decode step at a chosen batch
+and context for timing.
 """
 
 from __future__ import annotations
@@ -21,55 +22,7 @@ from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.models.base import CausalLM
 from cbgen.models.config import ModelConfig
 from cbgen.models.registry import build_model
-
-
-def _shape(
-    model_type: str,
-    hidden: int,
-    intermediate: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    vocab: int,
-    **extra: Any,
-) -> dict[str, Any]:
-    """transformers' config fields of one shape: untied, RoPE base 10^4 unless extra says."""
-    return {
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "vocab_size": vocab,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        **extra,
-    }
-
-
-# The checks need head_dim 64 and 128, GQA, Qwen2's QKV bias and Qwen3's Q/K norm with an
-# explicit head_dim; "smollm2-135m" is SmolLM2-135M's own shape, for throughput. The quick set is
-# the same kinds at toy sizes (the CPU smoke test).
-CHECKPOINTS: dict[str, dict[str, Any]] = {
-    "llama-hd64-gqa4": _shape("llama", 512, 1376, 4, 8, 2, 8192),
-    "llama-hd128-gqa4": _shape("llama", 1024, 2816, 4, 8, 2, 8192),
-    "qwen2-hd64-gqa6": _shape(
-        "qwen2", 768, 2048, 4, 12, 2, 8192, tie_word_embeddings=True, rope_theta=1e6
-    ),
-    "qwen3-hd128-gqa2": _shape("qwen3", 512, 1536, 4, 8, 4, 8192, head_dim=128),
-    "smollm2-135m": _shape(
-        "llama", 576, 1536, 30, 9, 3, 49152, rope_theta=1e5, tie_word_embeddings=True
-    ),
-}
-QUICK_CHECKPOINTS: dict[str, dict[str, Any]] = {
-    "llama-hd64-gqa2": _shape("llama", 128, 256, 2, 2, 1, 512),
-    "llama-hd128-gqa2": _shape("llama", 256, 256, 2, 2, 1, 512),
-    "qwen2-hd64-gqa2": _shape("qwen2", 128, 256, 2, 2, 1, 512, tie_word_embeddings=True),
-    "qwen3-hd64-gqa2": _shape("qwen3", 64, 128, 2, 4, 2, 512, head_dim=64),
-    "smollm2-135m": _shape("llama", 64, 128, 2, 4, 2, 512, tie_word_embeddings=True),
-}
+from tools.model_shapes import hf_model
 
 
 def build_checkpoint(
@@ -82,19 +35,9 @@ def build_checkpoint(
     trained heads, where some tokens' rows are much longer: the logits are peaked, near-ties
     rare). Every weight is a bfloat16 value, as in a checkpoint released in bfloat16, so a
     float32 run and a bfloat16 run multiply by the same weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kwargs = dict(fields)
-    cfg = AutoConfig.for_model(
-        kwargs.pop("model_type"),
-        **kwargs,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+    model = hf_model(
+        fields, seed, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -8,10 +8,7 @@ from typing import Any
 
 from cbgen.models.config import BUILTIN_SHAPES, ModelConfig
 from tools.gpu_correctness import GPU_TESTS
-from tools.gpu_fixtures import (
-    CHECKPOINTS,
-    QUICK_CHECKPOINTS,
-)
+from tools.model_shapes import CHECKPOINTS, QUICK_CHECKPOINTS
 
 # ---- the plan (--plan) ----------------------------------------------------------------------
 
