@@ -68,14 +68,14 @@ def kernel_tests(ctx: CheckContext) -> bool:
 
 
 GPU_TESTS = [
-    "tests/test_kernels.py",
-    "tests/test_backends.py",
-    "tests/test_gpu_path.py",
-    "tests/test_device_draws.py",
-    "tests/test_rope_write_kv.py",
-    "tests/test_moe.py::test_triton_grouped_moe_matches_the_reference",
-    "tests/test_moe.py::test_triton_grouped_moe_refuses_mismatched_weights",
-    "tests/test_moe.py::test_triton_ops_greedy_tokens_match_torch_ops",
+    "tests/kernels/test_kernels.py",
+    "tests/attention/test_backends.py",
+    "tests/engine/test_gpu_path.py",
+    "tests/engine/test_device_draws.py",
+    "tests/kernels/test_rope_write_kv.py",
+    "tests/models/test_moe.py::test_triton_grouped_moe_matches_the_reference",
+    "tests/models/test_moe.py::test_triton_grouped_moe_refuses_mismatched_weights",
+    "tests/models/test_moe.py::test_triton_ops_greedy_tokens_match_torch_ops",
 ]
 """The suites that run compiled on a GPU (their CPU-only tests are named runs_on_the_cpu)."""
 PYTEST_WORKERS = 4

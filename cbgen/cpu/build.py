@@ -380,7 +380,7 @@ def signature_mismatch() -> str | None:
     build_library asks this before it compiles or loads anything, so a library whose ctypes
     signatures differ from its C declarations is never called (a wrong type corrupts arguments
     or memory silently). Both are files of this package, so the answer changes only when the
-    package does, and tests/test_c_header.py asks it too; it runs at every build anyway, so that
+    package does, and tests/cpu/test_c_header.py asks it too; it runs at every build anyway, so that
     a source tree edited on either side without running the tests still never calls through a
     wrong type, because it is cheap: parsing the header and comparing its 26 functions took
     ~1.5 ms the first time in a process and ~0.7 ms after, and importing c_header ~4 ms (on a

@@ -3,7 +3,7 @@ when triton imports: residual add + RMSNorm in one pass, RoPE in place with the 
 gathered inside the kernel (also fused with the new K/V's write into the paged cache, for the
 triton backend: RopeKvOps), SiLU x up in one pass over the gate-up projection, and a
 mixture-of-experts layer's expert MLPs as grouped matmuls. Each rounds
-as cbgen.models.ops.TorchOps, the reference, does (tests/test_triton_ops.py).
+as cbgen.models.ops.TorchOps, the reference, does (tests/kernels/test_triton_ops.py).
 
 Triton is an optional dependency, so this module imports without it; cbgen_kernels (and
 triton) are imported when a TritonOps is built.

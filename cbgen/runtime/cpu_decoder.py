@@ -5,7 +5,7 @@ With the cpu ops and the cpu attention backend, LlamaForCausalLM.forward_layers 
 layer (~270 a step for SmolLM2's 30 layers); from Python each also pays its argument checks, a
 tensor allocation, a module call and ctypes, while the kernels' other thread waits. NativeDecoder
 makes the same calls, in the same order, on the same kinds of buffers, from C: the hidden
-states are bit for bit the Python path's (tests/test_native_decoder.py). It serves the steps
+states are bit for bit the Python path's (tests/runtime/test_native_decoder.py). It serves the steps
 whose every token the attention's C decode kernel takes (decodes, and prompt chunks small
 enough for it) and whose matmuls all go to small_gemm (the runtime's
 CpuThresholds.small_gemm_max_rows); any other step, and a step a kernel refuses, runs the Python

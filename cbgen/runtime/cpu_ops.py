@@ -2,7 +2,7 @@
 pass, q/k norms and RoPE in place in the QKV rows (RoPE from the float32 tables), and SiLU x up
 (GELU x up for Gemma) in one pass over the gate-up projection (or, where small_gemm serves the
 gate-up matmul, on its tiles: cbgen.runtime.cpu_linear.PackedF32Linear.apply_gated). Each is tested against
-cbgen.models.ops.TorchOps, the reference (tests/test_native.py): RoPE and the residual add bit for
+cbgen.models.ops.TorchOps, the reference (tests/cpu/test_native.py): RoPE and the residual add bit for
 bit, the norms (sums in double) and the activations (vexp.h's exp) to a few ulp.
 """
 

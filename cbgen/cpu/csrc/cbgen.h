@@ -99,7 +99,7 @@ int cbgen_sample_f32(const float *logits, int64_t B, int64_t V, int64_t ld,
                      const float *temperature, const float *u, int64_t *out);
 
 /* decoder.c: a decode step's layers in one call. The two structs are mirrored field for field
- * by NativeDecoder's ctypes Structures (tests/test_c_header.py compares them). */
+ * by NativeDecoder's ctypes Structures (tests/cpu/test_c_header.py compares them). */
 
 /* One layer's weights (small_gemm's panels) and its cache. */
 typedef struct {

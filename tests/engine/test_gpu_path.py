@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import REPO
 
 from cbgen.config import Device, EngineConfig, SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.runner import ModelRunner, NewRequestInfo, _draw_seed
 from cbgen.engine.sampler import Sampler, SamplingRow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO  # the checkout: what the GPU check and its subprocesses run from
 
 
 def test_a_runner_for_another_device_keeps_generators_where_the_draws_happen() -> None:

@@ -136,7 +136,7 @@ def test_auto_keeps_bf16_weights_only_when_float32_would_not_fit(
 ) -> None:
     folder = bf16_model_dir("llama")
     # where the CPU has bf16 dot products auto runs a bf16 checkpoint in bf16 outright
-    # (tests/test_bf16.py); this is the choice of a CPU without them
+    # (tests/cpu/test_bf16.py); this is the choice of a CPU without them
     monkeypatch.setattr(cpu_runtime, "bf16_native", lambda: False)
     roomy = Engine(model=str(folder), device="cpu")
     assert roomy.weight_dtype == torch.float32  # the float32 copy fits: nothing changes

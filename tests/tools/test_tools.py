@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
 
 from cbgen.cpu import build
 from cbgen.engine.outputs import StepStats
@@ -229,7 +230,7 @@ def test_the_prefill_attention_bench_times_each_chunk_three_ways() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "tools.prefill_attention_bench", "--reps", "2",
          "--shapes", "4x0,2x16", "--heads", "2", "--kv-heads", "1"],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if re.match(r"\| \d+[, ]", line)]

@@ -5,7 +5,7 @@ float32, bfloat16 and float16. Then tiny Llama and Qwen2 models on the triton ba
 forward taking the fused path, give transformers' greedy tokens.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 is set at the top
-of this module, before triton is first imported; see tests/test_kernels.py).
+of this module, before triton is first imported; see tests/kernels/test_kernels.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ triton backends inside a full Engine on the CPU (triton under the Triton interpr
 the torch reference, the flash backend's call into a fake vllm_flash_attn, and the profiling
 pass that sizes the KV cache on CUDA.
 
-TRITON_INTERPRET=1 is set before triton is first imported (see tests/test_kernels.py).
+TRITON_INTERPRET=1 is set before triton is first imported (see tests/kernels/test_kernels.py).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import REPO
 from helpers.reference import attention_float64
 
 from cbgen.attention import cpu_backend, torch_backend
@@ -632,10 +633,9 @@ def test_the_cpu_linear_method_takes_the_panels_for_small_batches_only(
 def test_every_kernel_source_ships_as_package_data() -> None:
     """The loader compiles these files at run time: a wheel without them has no CPU kernels."""
     import fnmatch
-    from pathlib import Path
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"
     ]["cbgen.cpu"]
@@ -931,7 +931,7 @@ def test_the_checks_hold_under_python_optimisations() -> None:
         "except TypeError as e:\n"
         "    print('refused:', e)\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     done = subprocess.run(
         [sys.executable, "-O", "-c", code], capture_output=True, text=True, cwd=root, timeout=300
     )

@@ -2,7 +2,7 @@
 the reference: each op on random inputs of odd sizes, then a tiny Llama's greedy tokens.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 is set at the top
-of this module, before triton is first imported; see tests/test_kernels.py). With CUDA the same
+of this module, before triton is first imported; see tests/kernels/test_kernels.py). With CUDA the same
 tests run the compiled kernels on the GPU.
 
 Tolerances. The kernels round where the reference rounds and launch without fused
