@@ -216,3 +216,20 @@ def test_the_layering_check_sees_a_forbidden_import() -> None:
     assert _allowed("cbgen.io.summary", "cbgen.cpu.features")
     assert _allowed("cbgen.runtime.cpu", "cbgen.cpu.kernels")
     assert _allowed("cbgen.cpu.kernels", "cbgen.cpu.build")
+
+
+# ---- the tests themselves ------------------------------------------------------------------
+
+
+def test_no_test_module_imports_another_or_conftest() -> None:
+    """What test modules share lives in tests/helpers (fixtures in conftest.py, which pytest
+    hands out by name): importing another test module runs its module-level code and ties the
+    two files' layouts together."""
+    tests = ROOT / "tests"
+    modules = {p.stem for p in tests.rglob("test_*.py")} | {"conftest"}
+    wrong = []
+    for path in sorted(tests.rglob("*.py")):
+        for imp in _imports(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in imp.names] if isinstance(imp, ast.Import) else [imp.module]
+            wrong += [f"{path.relative_to(ROOT)}: {n}" for n in names if n in modules]
+    assert wrong == []
