@@ -136,9 +136,25 @@ def test_tune_times_the_int16_head_where_it_is_a_choice(
     build.load_library() is not None and not head_kernels.head_i16_available(),
     reason="no int16 head in this build (x86-64 with AVX2)",
 )
-def test_measure_head_times_both_heads() -> None:
-    float32_s, int16_s = tuning.measure_head(reps=1)
-    assert 0 < float32_s < 5 and 0 < int16_s < 5
+def test_measure_head_times_both_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both heads over the same rows, in turns: a warm-up, then reps timed passes each."""
+    calls: list[tuple[str, int]] = []
+    real = gemm.small_gemm
+
+    def float32_matmul(x: torch.Tensor, panels: torch.Tensor, bias: None, *rest: int) -> Any:
+        calls.append(("float32", x.shape[0]))
+        return real(x, panels, bias, *rest)
+
+    class Int16Counted(tuning.Int16Head):
+        def __call__(self, hidden: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+            calls.append(("int16", hidden.shape[0]))
+            return super().__call__(hidden, *args)
+
+    monkeypatch.setattr(gemm, "small_gemm", float32_matmul)
+    monkeypatch.setattr(tuning, "Int16Head", Int16Counted)
+    float32_s, int16_s = tuning.measure_head(reps=2)
+    assert all(math.isfinite(t) and t > 0 for t in (float32_s, int16_s))
+    assert calls == [("float32", tuning.HEAD_ROWS), ("int16", tuning.HEAD_ROWS)] * (1 + 2)
 
 
 def test_tune_without_onednn_keeps_the_build_default(
