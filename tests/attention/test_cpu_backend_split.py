@@ -60,12 +60,17 @@ def test_a_windowed_layer_sends_a_long_chunk_to_the_decode_kernel(
     q = torch.randn(int(qsl[-1]), hkv * group, d)
     plan = cpu_backend.plan_attention(block_table, qsl, seq_lens, bs)
     reference = torch_backend.plan_attention(block_table, qsl, seq_lens, bs)
+    built: list[int | None] = []  # the windows a kernel plan was built for
+    inner_plan = cpu_backend._native_plan
+    monkeypatch.setattr(
+        cpu_backend, "_native_plan", lambda *args: built.append(args[-1]) or inner_plan(*args)
+    )
     assert len(plan.native_for(None).prefills) == 1
     assert plan.native_for(16).prefills == [] and plan.native_for(16).tokens.shape[0] == 102
-    assert plan.native_for(16) is plan.native_for(16)  # built once a step
-    for window in (None, 16, 250):
+    for window in (None, 16, 250, 16, 250):  # layers asking again take the step's plans
         got = cpu_backend.attend(q, kv, plan, 0.125, window)
         want = torch_backend.attend(q, kv, reference, 0.125, window)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert built == [16, 250]  # one plan per window a step, however many layers ask
     # the full layer and the 250-key window (~24k rows) take the prefill kernel, 16 does not
-    assert prefill_calls == [100, 100]
+    assert prefill_calls == [100, 100, 100]
