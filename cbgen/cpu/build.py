@@ -20,7 +20,8 @@ and it is refused, with no library and the reason in the status line, where the 
 
 Every exported C function is declared once, in csrc/cbgen.h; SIGNATURES gives ctypes the same
 signatures, and no build is compiled or loaded while cbgen.cpu.c_header finds them different.
-The Python side of each kernel, with its argument checks, is cbgen.cpu.kernels.
+The Python side of each kernel is cbgen.cpu.kernels, gemm or head_kernels (the argument checks
+they share: cbgen.cpu.checks).
 """
 
 from __future__ import annotations
