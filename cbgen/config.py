@@ -78,6 +78,11 @@ class EngineConfig:
     kernels). torch is the plain reference, on any device."""
     load_format: LoadFormat = "auto"
     """dummy: random weights for the model's shape (benchmarks without weights)."""
+    dequantize: bool = False
+    """A GGUF file's quantized tensors dequantized to float on load (the path token-exact
+    against transformers), instead of run in their blocks (the default on the CPU, as llama.cpp
+    runs them: Q8_0, Q4_0, Q4_1; other types are dequantized, and the start-up line says
+    which)."""
     seed: int = 0
     """Seed for dummy weights and for sampling requests that give no seed of their own;
     in [0, 2**32)."""
@@ -100,7 +105,12 @@ class EngineConfig:
         for name in ("kv_cache_memory", "max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _int(getattr(self, name), name)
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
+        for name in (
+            "enable_chunked_prefill",
+            "enable_prefix_caching",
+            "enforce_eager",
+            "dequantize",
+        ):
             _check(isinstance(getattr(self, name), bool), name, "must be true or false")
         _num(self.gpu_memory_utilization, "gpu_memory_utilization")
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")

@@ -129,11 +129,17 @@ def smollm2_path() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_engine() -> Any:
-    """The real model in cbgen, loaded once per test session (float32, CPU)."""
+    """The real model in cbgen, loaded once per test session (float32, CPU), its GGUF file
+    dequantized: the path that is token-exact against transformers."""
     from cbgen.engine.engine import Engine
 
     return Engine(
-        max_num_seqs=16, kv_cache_memory=256 << 20, device="cpu", dtype="float32", num_threads=1
+        max_num_seqs=16,
+        kv_cache_memory=256 << 20,
+        device="cpu",
+        dtype="float32",
+        num_threads=1,
+        dequantize=True,
     )
 
 

@@ -64,6 +64,9 @@ _SRCS = {
     _CSRC / "small_gemm.c": ("-ffp-contract=fast",),
     # widen's sums are small_gemm's, FMA for FMA: -ffast-math must not reassociate a k pair
     _CSRC / "small_gemm_bf16.c": ("-ffp-contract=fast", "-fno-associative-math"),
+    # every float operation as written (x's scales divided, not multiplied by a reciprocal; no
+    # fused multiply-adds), so NumPy's reference gives the same bits
+    _CSRC / "qgemm.c": ("-fno-fast-math", "-ffp-contract=off"),
     _CSRC / "prefill_attention.c": ("-ffp-contract=fast",),
     _CSRC / "fused_ops.c": ("-ffp-contract=off",),
     # SiLU with vexp.h's exp: agrees with torch's to a few ulp, like the attention's softmax
@@ -356,6 +359,12 @@ SIGNATURES: dict[str, Signature] = {
     "cbgen_small_gemm_max_rows": (_i64, []),
     "cbgen_small_gemm_blocked_rows": (_i64, []),
     "cbgen_small_gemm_gated_f32": (_int, [_p, _i64, _i64, _p, _i64, _int, _p]),
+    "cbgen_q_isa": (_i64, []),
+    "cbgen_q_packed_bytes": (_i64, [_int, _i64, _i64]),
+    "cbgen_q_pack": (_int, [_int, _p, _i64, _i64, _p]),
+    "cbgen_q8_quantize": (None, [_p, _i64, _i64, _p, _p, _p]),
+    "cbgen_q_gemm": (_int, [_int, _p, _i64, _i64, _p, _i64, _p, _p]),
+    "cbgen_q_gemm_ref": (_int, [_int, _p, _i64, _i64, _p, _i64, _p, _p]),
     "cbgen_bf16_native": (_i64, []),
     "cbgen_panel_k_bf16": (_i64, [_i64]),
     "cbgen_pack_panels_bf16": (None, [_p, _i64, _i64, _p]),

@@ -45,6 +45,8 @@ _C_TYPES: Mapping[str, CTypesType] = {
     "double": ctypes.c_double,
     "int": ctypes.c_int,
     "size_t": ctypes.c_size_t,
+    "int8_t": ctypes.c_int8,
+    "uint8_t": ctypes.c_uint8,
     "int16_t": ctypes.c_int16,
     "int32_t": ctypes.c_int32,
     "int64_t": ctypes.c_int64,

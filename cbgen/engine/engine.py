@@ -49,7 +49,7 @@ from cbgen.models.base import CausalLM
 from cbgen.models.loader import load_model, load_model_config, stored_weight_dtype
 from cbgen.models.source import resolve_model
 from cbgen.models.tokenizer import load_tokenizer
-from cbgen.runtime import Runtime, bind, cpu_bf16_mode
+from cbgen.runtime import Runtime, bind, cpu_bf16_mode, quantized_types
 
 logger = logging.getLogger("cbgen")
 
@@ -143,6 +143,7 @@ class Engine:
                 config.load_format,
                 config.seed,
                 self.weight_dtype,
+                keep_quantized=self.keep_quantized(),
             )
             self.runtime = bind(
                 self.model, self.device, self.dtype, config.num_threads, self.cpu_bf16 == "dot"
@@ -236,6 +237,14 @@ class Engine:
         if graphs is None:
             return f"eager ({self.graphs_off})"
         return f"CUDA graphs at batch sizes {graphs.sizes[0]}-{graphs.sizes[-1]} ({len(graphs)})"
+
+    def keep_quantized(self) -> frozenset[int]:
+        """The ggml types a GGUF file's linear tensors stay in (run in their blocks by the
+        runtime): none with --dequantize, on other devices, or where torch's own bf16/fp16
+        runs the model."""
+        if self.source.kind != "gguf" or self.config.dequantize or self.dtype != torch.float32:
+            return frozenset()
+        return quantized_types(self.device)
 
     @property
     def dtype_name(self) -> str:

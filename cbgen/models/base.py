@@ -24,6 +24,7 @@ from torch import nn
 from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.models.config import ModelConfig
 from cbgen.models.ops import TORCH_OPS, Ops, rms_norm
+from cbgen.models.quantized import DequantizingLinear, QuantizedWeight, QuantSegment
 from cbgen.models.rope import RotaryEmbedding
 
 
@@ -68,7 +69,10 @@ def _scratch_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
         or buffer.numel() < numel
         or (buffer.dtype, buffer.device) != (like.dtype, like.device)
     ):
-        buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        # A normal tensor even when made under inference_mode: one made there could not be
+        # written by a matmul that runs outside it later.
+        with torch.inference_mode(False):
+            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
         _scratch.buffer = buffer
     return buffer[:numel]
 
@@ -277,6 +281,45 @@ class CausalLM(nn.Module):
                 parts = [(w, part) for part, (w, _, _) in fused.items() if f".{w}." in name]
                 loaded |= {name.replace(w, part) for w, part in parts}
         return loaded
+
+    def attach_quantized(self, segments: dict[str, QuantSegment]) -> set[str]:
+        """Give linear layers the file's quantized blocks of their tensors (Hugging Face names,
+        as load_weights takes; every part of a fused layer, or none), with the reference
+        method DequantizingLinear, and free their float storage. Returns the names attached."""
+        parts = {
+            "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+        }
+        modules = dict(self.named_modules())
+        by_layer: dict[str, list[tuple[str, QuantSegment]]] = {}
+        for name, seg in segments.items():
+            name = name.removeprefix("model.").removesuffix(".weight")
+            target = name
+            for fused, names in parts.items():
+                for part in names:
+                    if name.endswith("." + part):
+                        target = name[: -len(part)] + fused
+            by_layer.setdefault(target, []).append((name, seg))
+        attached: set[str] = set()
+        for target, named in by_layer.items():
+            layer = modules.get(target)
+            if not isinstance(layer, Linear):
+                raise ValueError(f"unexpected quantized weight {named[0][0]!r}")
+            fused_parts = next((ns for f, ns in parts.items() if target.endswith(f)), None)
+            if fused_parts is not None:
+                order = {part: i for i, part in enumerate(fused_parts)}
+                named.sort(key=lambda ns: order[".".join(ns[0].split(".")[-2:])])
+                if len(named) != len(fused_parts):
+                    raise ValueError(f"{target}: some of its parts are quantized, not all")
+            weight = QuantizedWeight(layer.in_features, [seg for _, seg in named])
+            if weight.rows != layer.out_features:
+                raise ValueError(
+                    f"{target}: quantized rows {weight.rows}, expected {layer.out_features}"
+                )
+            layer.method = DequantizingLinear(weight)
+            layer.weight.data = layer.weight.data.new_empty(0)
+            attached |= {name + ".weight" for name, _ in named}
+        return attached
 
     def expected_weight_names(self) -> set[str]:
         cfg = self.config

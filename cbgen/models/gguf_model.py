@@ -18,6 +18,7 @@ from cbgen.models.config import ModelConfig
 from cbgen.models.errors import one_line
 from cbgen.models.gguf_file import GGUFError, GGUFFile
 from cbgen.models.hf_config import SUPPORTED_ARCHITECTURES
+from cbgen.models.quantized import QuantSegment
 
 
 @lru_cache(maxsize=2)
@@ -130,9 +131,45 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def iter_gguf_weights(reader: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized float32 tensors in file order; two threads dequantize (NumPy releases the
-    GIL), a few tensors ahead of the consumer."""
+_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+"""The GGUF tensors that are a linear layer's weight (runnable in their blocks)."""
+
+
+def _is_linear(name: str) -> bool:
+    parts = name.split(".")
+    return parts[0] == "blk" and len(parts) == 4 and parts[2] in _LINEAR and parts[3] == "weight"
+
+
+def kept_quantized(reader: GGUFFile, keep: frozenset[int]) -> list[Any]:
+    """The linear tensors whose types are in keep (ggml type ids a runtime runs in their
+    blocks): they load as QuantSegments (quantized_segments), the rest dequantized."""
+    return [t for t in reader.tensors if _is_linear(t.name) and t.tensor_type in keep]
+
+
+def quantized_segments(
+    reader: GGUFFile, cfg: ModelConfig, keep: frozenset[int]
+) -> dict[str, QuantSegment]:
+    """The kept tensors' blocks by Hugging Face name: views of the memory-mapped file, or (Llama's
+    q/k, whose rows are un-interleaved) copies."""
+    arch = cfg.extra.get("hf_model_type", cfg.model_type)
+    out: dict[str, QuantSegment] = {}
+    for t in kept_quantized(reader, keep):
+        name = _gguf_to_hf_name(t.name)
+        data = t.data
+        if arch in ("llama", "mistral"):
+            if name.endswith("q_proj.weight"):
+                data = _unpermute_rope(data, cfg.num_attention_heads)
+            elif name.endswith("k_proj.weight"):
+                data = _unpermute_rope(data, cfg.num_key_value_heads)
+        out[name] = QuantSegment(t.tensor_type, torch.from_numpy(np.ascontiguousarray(data)))
+    return out
+
+
+def iter_gguf_weights(
+    reader: GGUFFile, cfg: ModelConfig, skip: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized float32 tensors in file order (those named in skip, GGUF names, left out);
+    two threads dequantize (NumPy releases the GIL), a few tensors ahead of the consumer."""
     import gguf
 
     arch = cfg.extra.get("hf_model_type", cfg.model_type)
@@ -153,6 +190,8 @@ def iter_gguf_weights(reader: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str,
     with ThreadPoolExecutor(max_workers=2) as pool:
         pending: deque[Future[tuple[str, torch.Tensor]]] = deque()
         for t in reader.tensors:
+            if t.name in skip:
+                continue
             pending.append(pool.submit(convert, t))
             if len(pending) > 4:
                 yield pending.popleft().result()

@@ -7,6 +7,7 @@ Where the source is: cbgen.models.source; its tokenizer: cbgen.models.tokenizer.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,8 +18,15 @@ from torch import nn
 from cbgen.models.base import CausalLM, store_weights_in
 from cbgen.models.config import BUILTIN_SHAPES, ModelConfig
 from cbgen.models.errors import ModelFileError, one_line
-from cbgen.models.gguf_model import gguf_config, gguf_reader, iter_gguf_weights
+from cbgen.models.gguf_model import (
+    gguf_config,
+    gguf_reader,
+    iter_gguf_weights,
+    kept_quantized,
+    quantized_segments,
+)
 from cbgen.models.hub import shard_files
+from cbgen.models.quantized import QuantSegment
 from cbgen.models.registry import build_model
 from cbgen.models.safetensors_file import check_safetensors
 from cbgen.models.source import ModelSource
@@ -126,11 +134,14 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     weight_dtype: torch.dtype | None = None,
+    keep_quantized: frozenset[int] = frozenset(),
 ) -> CausalLM:
     """Allocate the model on the device in the engine dtype without initialising it, then
     fill it; RoPE tables stay float32. weight_dtype (CPU): the matmul weights and embedding
     kept in this half dtype instead, upcast as they are used (cbgen.models.base.TorchLinear).
-    The model runs the torch reference until cbgen.runtime.bind binds it to its device."""
+    The model runs the torch reference until cbgen.runtime.bind binds it to its device.
+    keep_quantized (a GGUF file): the ggml types whose linear tensors stay in their blocks
+    (cbgen.models.quantized; the runtime runs them so), every other tensor dequantized."""
     with _uninitialized(dtype, device):
         model = build_model(cfg, max_positions)
     if weight_dtype is not None and weight_dtype != dtype:
@@ -139,12 +150,18 @@ def load_model(
     if load_format == "dummy" or source.kind == "shape":
         _init_dummy(model, seed)
     else:
+        segments: dict[str, QuantSegment] = {}
         if source.kind == "gguf":
-            weights = iter_gguf_weights(gguf_reader(source.path), cfg)
+            reader = gguf_reader(source.path)
+            kept = kept_quantized(reader, keep_quantized)
+            with warnings.catch_warnings():  # views of the read-only map: never written to
+                warnings.simplefilter("ignore", UserWarning)
+                segments = quantized_segments(reader, cfg, keep_quantized) if kept else {}
+            weights = iter_gguf_weights(reader, cfg, frozenset(t.name for t in kept))
         else:
             weights = iter_safetensors_weights(source.path)
         try:
-            loaded = model.load_weights(weights)
+            loaded = model.load_weights(weights) | model.attach_quantized(segments)
         except ModelFileError:
             raise
         except ValueError as e:  # an unexpected or misshapen tensor: name the file it came from

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from cbgen.models.base import CausalLM
-from cbgen.runtime import cpu, cuda
+from cbgen.runtime import cpu, cpu_quant, cuda
 from cbgen.runtime.base import PlainSample, Runtime
 
 
@@ -34,6 +34,12 @@ def bind(
     if device.type == "cuda":
         return cuda.prepare(model)
     return Runtime(model)
+
+
+def quantized_types(device: torch.device) -> frozenset[int]:
+    """The ggml types a GGUF file's linear tensors may keep on this device (run in their
+    blocks); empty where none can (then the loader dequantizes every tensor)."""
+    return cpu_quant.quantized_types() if device.type == "cpu" else frozenset()
 
 
 def cpu_bf16_mode(
@@ -55,4 +61,4 @@ def cpu_bf16_mode(
     return None
 
 
-__all__ = ["PlainSample", "Runtime", "bind", "cpu_bf16_mode"]
+__all__ = ["PlainSample", "Runtime", "bind", "cpu_bf16_mode", "quantized_types"]

@@ -25,7 +25,7 @@ import psutil
 import torch
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
-from cbgen.cpu import bf16, kernels, tuning
+from cbgen.cpu import bf16, kernels, quant, tuning
 from cbgen.cpu.build import native_status
 from cbgen.cpu.features import cpu_info
 from cbgen.cpu.linear import Bf16Head, Int16Head, bf16_matmul_fast, onednn_packing_available
@@ -35,6 +35,7 @@ from cbgen.runtime.base import Runtime
 from cbgen.runtime.cpu_decoder import NativeDecoder
 from cbgen.runtime.cpu_linear import CpuThresholds, PackedBf16Linear, PackedF32Linear
 from cbgen.runtime.cpu_ops import CpuOps
+from cbgen.runtime.cpu_quant import QuantLinear, pack_quantized
 
 
 class CpuRuntime(Runtime):
@@ -49,6 +50,9 @@ class CpuRuntime(Runtime):
         self.thresholds = thresholds
         self.decoder: NativeDecoder | None = None
         self.plain_sample = kernels.sample
+        self.quantized: dict[str, int] = {}
+        """Linear tensors run in their GGUF blocks, by type ("Q4_1": 210), and those
+        dequantized for want of a kernel ("dequantized Q6_K": 30)."""
 
     def forward(
         self,
@@ -78,7 +82,11 @@ class CpuRuntime(Runtime):
             if self.decoder is None
             else "one C call each (where every matmul and attention kernel takes the step)"
         )
-        return f"; {cpu_info().describe()}; {status}; LM head {head}; decode steps: {steps}"
+        blocks = ""
+        if self.quantized:
+            counts = ", ".join(f"{k} x{v}" for k, v in sorted(self.quantized.items()))
+            blocks = f"; GGUF weights in their blocks ({quant.isa()}): {counts}"
+        return f"; {cpu_info().describe()}; {status}{blocks}; LM head {head}; decode steps: {steps}"
 
 
 def prepare(
@@ -102,6 +110,7 @@ def prepare(
         return runtime
     if native:
         model.ops = CpuOps()
+        runtime.quantized = pack_quantized(model.linear_layers())
     if model.head_weight.dtype == torch.bfloat16 and native:
         _pack_bf16(model, bf16_dot)
         runtime.decoder = NativeDecoder.for_model(model, thresholds)
@@ -110,7 +119,8 @@ def prepare(
         return runtime  # weights kept in fp16: no packed copies of them, upcast per matmul
     onednn = onednn_packing_available()
     for layer in model.linear_layers():
-        layer.method = PackedF32Linear.pack(layer.weight.data, onednn, native, thresholds)
+        if not isinstance(layer.method, QuantLinear):
+            layer.method = PackedF32Linear.pack(layer.weight.data, onednn, native, thresholds)
     model.head_method = PackedF32Linear.pack(model.head_weight.data, onednn, native, thresholds)
     if native and model.exact_head_allowed:
         if bf16_matmul_fast():
@@ -129,6 +139,8 @@ def _pack_bf16(model: CausalLM, dot: bool) -> None:
     storage is freed: the panels are the one copy (a tied head's weight stays: the embedding
     reads it), so the model takes its checkpoint's bytes (cbgen.engine.memory)."""
     for layer in model.linear_layers():
+        if isinstance(layer.method, QuantLinear):
+            continue
         method = PackedBf16Linear.pack(layer.weight.data, dot)
         if method is not None:
             layer.method = method

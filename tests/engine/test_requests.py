@@ -104,7 +104,7 @@ BAD_ENGINE_CONFIG: list[tuple[str, Any]] = [
     ("static_batch_size", 0),
     ("num_threads", 0),
     ("revision", ""), ("revision", 3), ("download_dir", ""),
-    ("enforce_eager", "yes"),
+    ("enforce_eager", "yes"), ("dequantize", 1),
     ("cpu_weight_dtype", "fp8"),
 ]  # fmt: skip
 

@@ -10,7 +10,7 @@
  * c_header.py parses this file with a small parser, not a C compiler, so declarations here keep
  * to what it reads: `typedef struct { type a, *b; ... } name;` and prototypes
  * `type name(type arg, ...);` (or `(void)`), whose types are void, float, double, int, size_t,
- * [u]int{16,32,64}_t or a struct typedef from this file, optionally const, with `*` for a
+ * [u]int{8,16,32,64}_t or a struct typedef from this file, optionally const, with `*` for a
  * pointer: no arrays, function pointers or unsigned/long spellings. It refuses anything else.
  * Comments and preprocessor lines are ignored. The functions' contracts are beside their
  * definitions, in the .c file named above each group.
@@ -70,6 +70,16 @@ int64_t cbgen_panel_k_bf16(int64_t K);
 void cbgen_pack_panels_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp);
 int cbgen_small_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                           const float *bias, int dot, float *y);
+
+/* qgemm.c: matmuls over GGUF-quantized weights (Q8_0, Q4_0, Q4_1), x quantized to 8 bits */
+int64_t cbgen_q_isa(void);
+int64_t cbgen_q_packed_bytes(int type, int64_t N, int64_t K);
+int cbgen_q_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out);
+void cbgen_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *s);
+int cbgen_q_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *wp, int64_t N,
+                 const float *bias, float *y);
+int cbgen_q_gemm_ref(int type, const float *x, int64_t M, int64_t K, const uint8_t *wp,
+                     int64_t N, const float *bias, float *y);
 
 /* activation.c: the gated MLP's activation over a gate-up product */
 void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);

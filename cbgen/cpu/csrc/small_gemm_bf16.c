@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "cbgen.h"
+#include "thread_buffer.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -190,19 +191,6 @@ static const dot_fn DOTS[MR_MAX + 1] = {0,      dot_1,  dot_2,  dot_3,  dot_4,  
                                         dot_12, dot_13, dot_14, dot_15, dot_16};
 #endif
 
-/* The calling thread's buffer of `bytes`, grown as needed and kept for its next call. */
-static void *row_buffer(int64_t bytes) {
-    static __thread void *buf;
-    static __thread int64_t cap;
-    if (cap < bytes) {
-        void *p;
-        if (posix_memalign(&p, 64, (size_t)bytes)) return 0;
-        free(buf);
-        buf = p;
-        cap = bytes;
-    }
-    return buf;
-}
 
 /* x [M, K] and y [M, N] contiguous float32, N a multiple of 32, bias [N] or NULL, wp packed by
  * cbgen_pack_panels_bf16; dot 1: bf16 dot products (AVX512_BF16 builds), 0: widen. 0, -1 when a
@@ -217,14 +205,14 @@ int cbgen_small_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *
 #if DOT
     uint32_t *xp = 0;
     if (dot) {
-        xp = row_buffer(M * K2 * (int64_t)sizeof(uint32_t));
+        xp = thread_buffer(M * K2 * (int64_t)sizeof(uint32_t));
         if (!xp) return -1;
         rows = xp;
         ldx = K2;
     }
 #endif
     if (!dot && K % 2) { /* widen reads k in pairs: x gets a zero column */
-        float *xe = row_buffer(M * Kp * (int64_t)sizeof(float));
+        float *xe = thread_buffer(M * Kp * (int64_t)sizeof(float));
         if (!xe) return -1;
         for (int64_t m = 0; m < M; ++m) {
             memcpy(xe + m * Kp, x + m * K, (size_t)K * sizeof(float));
