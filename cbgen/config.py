@@ -81,8 +81,8 @@ class EngineConfig:
     dequantize: bool = False
     """A GGUF file's quantized tensors dequantized to float on load (the path token-exact
     against transformers), instead of run in their blocks (the default on the CPU, as llama.cpp
-    runs them: Q8_0, Q4_0, Q4_1; other types are dequantized, and the start-up line says
-    which)."""
+    runs them: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types are dequantized,
+    and the start-up line says which)."""
     seed: int = 0
     """Seed for dummy weights and for sampling requests that give no seed of their own;
     in [0, 2**32)."""

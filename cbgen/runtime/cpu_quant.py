@@ -1,6 +1,7 @@
 """The CPU's linear method for weights kept in a GGUF file's blocks (cbgen.models.quantized):
-each segment (a fused layer's q, k, v or gate, up tensor, each in its own type) packed once for
-cbgen.cpu.quant.q_gemm, x quantized per row to 8 bits inside the call, as llama.cpp runs them.
+each segment (a fused layer's q, k, v or gate, up tensor, each in its own type) packed once
+into a cbgen.cpu.quant.PackedWeight; x is quantized per row to 8 bits once for all segments,
+as llama.cpp runs them.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ class QuantLinear:
 
     name = "cpu-gguf"
 
-    def __init__(self, k: int, segments: list[tuple[int, torch.Tensor, int]]) -> None:
-        self.k = k
-        self.segments = segments
-        """(type id, packed bytes, rows), in output-row order."""
-        self.n = sum(rows for _, _, rows in segments)
+    def __init__(self, packed: quant.PackedWeight) -> None:
+        self.packed = packed
+        self.k = packed.k
+        self.n = packed.n
 
     @classmethod
     def pack(cls, weight: QuantizedWeight) -> QuantLinear | None:
@@ -37,28 +37,19 @@ class QuantLinear:
             if p is None:
                 return None
             packed.append((seg.type_id, p, seg.rows))
-        return cls(weight.k, packed)
+        return cls(quant.PackedWeight(packed, weight.k))
 
     @property
     def types(self) -> list[int]:
-        return [t for t, _, _ in self.segments]
+        return self.packed.types
 
     def apply(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        if len(self.segments) == 1:
-            t, p, n = self.segments[0]
-            y = quant.q_gemm(t, rows.float(), p, n, bias)
-        else:
-            parts, start = [], 0
-            for t, p, n in self.segments:
-                b = None if bias is None else bias[start : start + n]
-                parts.append(quant.q_gemm(t, rows.float(), p, n, b))
-                start += n
-            y = None if any(part is None for part in parts) else torch.cat(parts, dim=1)  # type: ignore[arg-type]
+        rows = x.reshape(-1, x.shape[-1])
+        y = self.packed.gemm(rows.float(), bias)
         if y is None:
-            raise RuntimeError("quantized matmul: the kernel could not run (out of memory?)")
+            raise RuntimeError("quantized matmul: no memory for the activations' 8-bit copy")
         return y.to(x.dtype).reshape(*x.shape[:-1], self.n)
 
 

@@ -23,49 +23,134 @@ from cbgen.runtime.cpu_quant import QuantLinear
 gguf = pytest.importorskip("gguf", reason="the gguf package (a test dependency) is not installed")
 pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
 
-NAMES = ["Q8_0", "Q4_0", "Q4_1"]
-SHAPES = [(1, 16, 32), (7, 48, 96), (20, 32, 576), (9, 64, 1536), (17, 16, 64)]
+NAMES = list(quant.TYPES)
+LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+SHAPES = [(1, 16, 256), (7, 48, 512), (20, 32, 768), (9, 64, 1536), (17, 16, 256)]
+LEGACY_SHAPES = [(1, 16, 32), (7, 48, 96), (17, 16, 64)]
+
+
+def f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes [..., 2] as float16 values -> float32 [...]."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
 
 
 def file_blocks(name: str, w: np.ndarray) -> torch.Tensor:
-    """w [n, k] quantized by the gguf package, as a GGUF file stores it (uint8 rows)."""
-    q = gguf.quants.quantize(w, gguf.GGMLQuantizationType[name])
-    return torch.from_numpy(np.ascontiguousarray(q))
+    """A weight [n, k] as a GGUF file stores it (uint8 rows): quantized by the gguf package
+    where it quantizes the type; the K-quants (it only reads those) as random blocks with
+    scales of a trained model's size."""
+    qtype = gguf.GGMLQuantizationType[name]
+    if name in LEGACY:
+        return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, qtype)))
+    weights, size = quant.BLOCKS[quant.TYPES[name]]
+    rng = np.random.default_rng(int(abs(w).sum() * 1000) % 2**32)
+    n, blocks = w.shape[0], w.shape[1] // weights
+    b = rng.integers(0, 256, (n, blocks, size), dtype=np.uint8)
+    scale = (rng.uniform(0.2, 1.0, (n, blocks, 2)) * 0.004).astype(np.float16)
+    if name == "Q6_K":
+        b[..., 208:210] = scale[..., :1].view(np.uint8)
+    else:
+        b[..., 0:4] = scale.view(np.uint8).reshape(n, blocks, 4)
+    return torch.from_numpy(b.reshape(n, blocks * size))
 
 
-def numpy_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x's rows as qgemm.c quantizes them: per block of 32, d = max|x| / 127, q = rint(x / d)."""
+def decode(name: str, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A file's blocks as the kernels read them, decoded here from the GGUF block layouts: the
+    stored unsigned values u [n, k], each sub-block's float32 scale (d, or d sc_j) and each
+    group of 32's min term (m, or dmin m_j; None for types without one)."""
+    weights, size = quant.BLOCKS[quant.TYPES[name]]
+    n = raw.shape[0]
+    b = raw.reshape(n, k // weights, size)
+    if name == "Q8_0":
+        return b[..., 2:].view(np.int8).astype(np.int32).reshape(n, k) + 128, f16(b[..., :2]), None
+    if name in LEGACY:
+        two, five = name in ("Q4_1", "Q5_1"), name.startswith("Q5")
+        o = 4 if two else 2
+        qs = b[..., o + 4 * five :].astype(np.int32)
+        lo, hi = qs & 15, qs >> 4
+        if five:
+            qh = np.ascontiguousarray(b[..., o : o + 4]).view("<u4").astype(np.int64)
+            bit = np.arange(16)
+            lo = lo | ((qh >> bit) & 1) << 4
+            hi = hi | ((qh >> (bit + 16)) & 1) << 4
+        u = np.concatenate([lo, hi], -1).reshape(n, k)
+        return u, f16(b[..., :2]), (f16(b[..., 2:4]) if two else None)
+    d = f16(b[..., 208:210] if name == "Q6_K" else b[..., :2])
+    if name == "Q6_K":
+        ql, qh = b[..., :128].astype(np.int32), b[..., 128:192].astype(np.int32)
+        sc = b[..., 192:208].view(np.int8).astype(np.float32)
+        halves = []
+        for h in range(2):
+            a, c = ql[..., 64 * h : 64 * h + 64], qh[..., 32 * h : 32 * h + 32]
+            halves += [
+                (a[..., :32] & 15) | (c & 3) << 4,
+                (a[..., 32:] & 15) | ((c >> 2) & 3) << 4,
+                (a[..., :32] >> 4) | ((c >> 4) & 3) << 4,
+                (a[..., 32:] >> 4) | ((c >> 6) & 3) << 4,
+            ]
+        u = np.concatenate(halves, -1).reshape(n, k)
+        return u, (d[..., None] * sc).astype(np.float32).reshape(n, -1), None
+    dmin, s = f16(b[..., 2:4]), b[..., 4:16].astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | (s[..., 0:4] >> 6) << 4], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | (s[..., 4:8] >> 6) << 4], -1)
+    qs = b[..., 48:].astype(np.int32) if name == "Q5_K" else b[..., 16:].astype(np.int32)
+    qh = b[..., 16:48].astype(np.int32)
+    parts = []
+    for c in range(4):
+        lo, hi = qs[..., 32 * c : 32 * c + 32] & 15, qs[..., 32 * c : 32 * c + 32] >> 4
+        if name == "Q5_K":
+            lo, hi = lo | ((qh >> 2 * c) & 1) << 4, hi | ((qh >> 2 * c + 1) & 1) << 4
+        parts += [lo, hi]
+    u = np.concatenate(parts, -1).reshape(n, k)
+    scale = (d[..., None] * sc.astype(np.float32)).astype(np.float32).reshape(n, -1)
+    return u, scale, (dmin[..., None] * mn.astype(np.float32)).astype(np.float32).reshape(n, -1)
+
+
+OFFSET = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
+
+
+def dequantized(name: str, blocks: torch.Tensor, k: int) -> np.ndarray:
+    """The weight the decode describes: scale (u - offset) (+ m, or - dmin m_j)."""
+    u, scale, mn = decode(name, blocks.numpy(), k)
+    n, sub = u.shape[0], k // scale.shape[1]
+    w = np.repeat(scale, sub, 1) * (u - OFFSET.get(name, 0)).astype(np.float32)
+    if mn is not None:
+        m = np.repeat(mn, 32, 1)
+        w = w + m if name in ("Q4_1", "Q5_1") else w - m
+    return w.astype(np.float32).reshape(n, k)
+
+
+def numpy_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x's rows as qgemm.c quantizes them: per block of 32, d = max|x| / 127, q = rint(x / d),
+    the block's sum and the sum of its first 16."""
     xb = x.reshape(x.shape[0], -1, 32)
     d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
     q = np.rint((xb * inv[..., None]).astype(np.float32)).astype(np.int32)
-    return q, d, q.sum(-1)
+    return q, d, q.sum(-1), q[..., :16].sum(-1)
 
 
 def numpy_gemm(name: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """qgemm.c's arithmetic in NumPy: exact integer dot products per block, then per block
-    acc += float(isum) (d dx) (Q4_1: acc += m (dx sx)), float32 operations in that order."""
-    q, d, s = numpy_q8(x.numpy())
-    n, kb = blocks.shape[0], q.shape[1]
-    b = blocks.numpy().reshape(n, kb, -1)
-    dw = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if name == "Q8_0":
-        w, off = b[:, :, 2:].view(np.int8).astype(np.int32) + 128, 128
-    else:
-        qs = b[:, :, 4 if name == "Q4_1" else 2 :]
-        w, off = (
-            np.concatenate([qs & 15, qs >> 4], -1).astype(np.int32),
-            (8 if name == "Q4_0" else 0),
-        )
-    isum = np.einsum("nbk,mbk->mnb", w, q) - off * s[:, None, :]
+    """qgemm.c's arithmetic in NumPy: exact integer dot products per sub-block, then
+    acc += float(isum) (scale dx) per sub-block, and acc += m (dx sx) (Q4_1, Q5_1) or
+    acc -= (dmin m_j) (dx sx) (Q4_K, Q5_K) per group of 32, float32 operations in that order."""
+    k = x.shape[1]
+    q, d, s, low = numpy_q8(x.numpy())
+    u, scale, mn = decode(name, blocks.numpy(), k)
+    n, kb, sub = u.shape[0], q.shape[1], k // scale.shape[1]
+    ub = u.reshape(n, kb, 32)
+    off = OFFSET.get(name, 0)
     acc = np.zeros((x.shape[0], n), np.float32)
     for j in range(kb):
-        t = (dw[None, :, j] * d[:, None, j]).astype(np.float32)
-        acc = (acc + (isum[:, :, j].astype(np.float32) * t).astype(np.float32)).astype(np.float32)
-        if name == "Q4_1":
-            m = b[:, j, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)
+        for h in range(32 // sub):
+            lo, hi = h * sub, (h + 1) * sub
+            xs = s[:, j] if sub == 32 else (low[:, j] if h == 0 else s[:, j] - low[:, j])
+            isum = ub[:, j, lo:hi] @ q[:, j, lo:hi].T - off * xs[None, :]
+            t = (scale[None, :, j * (32 // sub) + h] * d[:, None, j]).astype(np.float32)
+            acc = (acc + (isum.T.astype(np.float32) * t).astype(np.float32)).astype(np.float32)
+        if mn is not None:
             dxs = (d[:, j] * s[:, j].astype(np.float32)).astype(np.float32)
-            acc = (acc + (m[None, :] * dxs[:, None]).astype(np.float32)).astype(np.float32)
+            term = (mn[None, :, j] * dxs[:, None]).astype(np.float32)
+            acc = (acc + term if name in ("Q4_1", "Q5_1") else acc - term).astype(np.float32)
     return torch.from_numpy(acc)
 
 
@@ -76,63 +161,94 @@ def test_activations_are_quantized_as_numpy_rounds_them() -> None:
     x[2, 3] = 127.5 * np.abs(x[2, :32]).max() / 127  # ties to even after scaling
     got = quant.quantize_rows(torch.from_numpy(x))
     assert got is not None
-    q, d, s = numpy_q8(x)
+    q, d, s, low = numpy_q8(x)
     assert np.array_equal(got[0].numpy(), q.reshape(5, 96))
     assert np.array_equal(got[1].numpy(), d) and np.array_equal(got[2].numpy(), s)
+    assert np.array_equal(got[3].numpy(), low)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_decoded_blocks_are_the_gguf_packages_weights(name: str) -> None:
+    """The NumPy model reads each type's blocks as the gguf package dequantizes them."""
+    rng = np.random.default_rng(11)
+    k = 512
+    blocks = file_blocks(name, (rng.standard_normal((16, k)) * 0.1).astype(np.float32))
+    want = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[name])
+    assert np.array_equal(dequantized(name, blocks, k), want.reshape(16, k).astype(np.float32))
+
+
+def _case(name: str, m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rng = np.random.default_rng(m * n + k)
+    blocks = file_blocks(name, (rng.standard_normal((n, k)) * 0.1).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    return blocks, x, bias
 
 
 @pytest.mark.usefixtures("each_build")
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize(
+    ("name", "m", "n", "k"),
+    [(name, *shape) for name in NAMES for shape in SHAPES]
+    + [(name, *shape) for name in LEGACY for shape in LEGACY_SHAPES],
+)
 def test_each_type_gives_the_bits_of_its_numpy_model(name: str, m: int, n: int, k: int) -> None:
-    rng = np.random.default_rng(m * n + k)
-    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
-    blocks = file_blocks(name, w)
+    blocks, x, bias = _case(name, m, n, k)
     type_id = quant.TYPES[name]
     packed = quant.pack(type_id, blocks, n, k)
-    assert packed is not None and packed.numel() == blocks.numel()  # the file's bytes, no more
-    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
-    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    assert packed is not None
+    # the file's bytes (the K-quants' 12 bytes of 6-bit scales and mins as 16 bytes)
+    packed_bytes, file_bytes = {"Q4_K": (148, 144), "Q5_K": (180, 176)}.get(name, (1, 1))
+    assert packed.numel() * file_bytes == blocks.numel() * packed_bytes
+    weight = quant.PackedWeight([(type_id, packed, n)], k)
     want = numpy_gemm(name, blocks, x)
-    got = quant.q_gemm(type_id, x, packed, n, None)
-    ref = quant.q_gemm(type_id, x, packed, n, None, reference=True)
+    got, ref = weight.gemm(x), weight.gemm(x, reference=True)
     assert got is not None and ref is not None
     assert torch.equal(ref, want) and torch.equal(got, want), quant.isa()
-    with_bias = quant.q_gemm(type_id, x, packed, n, bias)
+    with_bias = weight.gemm(x, bias)
     assert with_bias is not None and torch.equal(with_bias, want + bias)
     # close to the float matmul on the dequantized weight (x's 8-bit rounding aside)
-    deq = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[name]))
-    exact = x @ deq.float().T
+    deq = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[name])
+    exact = x @ torch.from_numpy(deq.astype(np.float32)).reshape(n, k).T
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
+
+
+def q2_k_blocks(n: int, k: int, seed: int) -> torch.Tensor:
+    """Random Q2_K blocks (a type without a kernel: 84 bytes a 256, d and dmin last)."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, k // 256, 84), dtype=np.uint8)
+    b[..., 80:84] = (rng.uniform(0.2, 1, (n, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(b.reshape(n, -1))
 
 
 def test_shapes_and_types_without_a_kernel_are_refused() -> None:
     rng = np.random.default_rng(2)
     w = rng.standard_normal((24, 64)).astype(np.float32)  # 24 rows: not whole panels of 16
     assert quant.pack(quant.TYPES["Q8_0"], file_blocks("Q8_0", w), 24, 64) is None
-    q5 = file_blocks("Q5_0", rng.standard_normal((16, 256)).astype(np.float32))
-    assert quant.pack(int(gguf.GGMLQuantizationType.Q5_0), q5, 16, 256) is None
+    q2 = q2_k_blocks(16, 256, 0)
+    assert quant.pack(int(gguf.GGMLQuantizationType.Q2_K), q2, 16, 256) is None
+    # a K-quant's rows must be whole blocks of 256
+    assert not quant.supports(quant.TYPES["Q4_K"], 16, 128)
     with pytest.raises(ValueError, match="blocks: expected uint8"):
         quant.pack(quant.TYPES["Q8_0"], file_blocks("Q8_0", w[:16]), 16, 32)
 
 
 def test_a_fused_layer_runs_each_part_in_its_own_type() -> None:
     """q, k and v of one qkv projection in three types (as Q4_K_M files mix them): the layer's
-    output is each part's, side by side; a part without a kernel (Q5_0 here) makes the runtime
-    dequantize the layer (and count it)."""
+    output is each part's, side by side, x quantized once; a part without a kernel (Q2_K
+    here) makes the runtime dequantize the layer (and count it)."""
     from cbgen.models.base import Linear
     from cbgen.runtime.cpu_quant import pack_quantized
 
     rng = np.random.default_rng(3)
-    parts = [(name, (rng.standard_normal((r, 64)) * 0.1).astype(np.float32)) for name, r in
-             (("Q4_0", 32), ("Q8_0", 16), ("Q4_1", 16))]  # fmt: skip
+    parts = [(name, (rng.standard_normal((r, 256)) * 0.1).astype(np.float32)) for name, r in
+             (("Q4_K", 32), ("Q6_K", 16), ("Q4_1", 16), ("Q8_0", 16))]  # fmt: skip
     weight = QuantizedWeight(
-        64, [QuantSegment(quant.TYPES[name], file_blocks(name, w)) for name, w in parts]
+        256, [QuantSegment(quant.TYPES[name], file_blocks(name, w)) for name, w in parts]
     )
     method = QuantLinear.pack(weight)
-    assert method is not None and method.n == 64
-    x = torch.from_numpy(rng.standard_normal((5, 64)).astype(np.float32))
-    bias = torch.from_numpy(rng.standard_normal(64).astype(np.float32))
+    assert method is not None and method.n == 80
+    x = torch.from_numpy(rng.standard_normal((5, 256)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(80).astype(np.float32))
     got = method.apply(x, torch.empty(0), bias)
     want = torch.cat(
         [
@@ -142,24 +258,20 @@ def test_a_fused_layer_runs_each_part_in_its_own_type() -> None:
         dim=1,
     )
     assert torch.equal(got, want + bias)
-    # the runtime: the layer gets the method; with a Q6_K part it is dequantized instead
-    layers = [Linear(64, 64, bias=False), Linear(64, 256, bias=False)]
+    # the runtime: the layer gets the method; with a Q2_K part it is dequantized instead
+    layers = [Linear(256, 80, bias=False), Linear(256, 256, bias=False)]
     layers[0].method = DequantizingLinear(weight)
-    q5 = QuantSegment(
-        int(gguf.GGMLQuantizationType.Q5_0),
-        file_blocks("Q5_0", rng.standard_normal((256, 256)).astype(np.float32)),
-    )
-    layers[1] = Linear(256, 256, bias=False)
-    layers[1].method = DequantizingLinear(QuantizedWeight(256, [q5]))
+    q2 = QuantSegment(int(gguf.GGMLQuantizationType.Q2_K), q2_k_blocks(256, 256, 1))
+    layers[1].method = DequantizingLinear(QuantizedWeight(256, [q2]))
     counts = pack_quantized(layers)
     assert isinstance(layers[0].method, QuantLinear)
-    assert counts == {"Q4_0": 1, "Q8_0": 1, "Q4_1": 1, "dequantized Q5_0": 1}
-    assert torch.equal(layers[1].weight.data, q5.dequantize())
+    assert counts == {"Q4_K": 1, "Q6_K": 1, "Q4_1": 1, "Q8_0": 1, "dequantized Q2_K": 1}
+    assert torch.equal(layers[1].weight.data, q2.dequantize())
 
 
 # ---- a GGUF model end to end ----------------------------------------------------------------
 
-CONFIG = dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, vocab=256)
+CONFIG = dict(hidden=256, inter=512, layers=2, heads=4, kv_heads=2, vocab=256)
 
 
 def write_tiny_gguf(path: Path, qtype: str) -> Path:
@@ -191,9 +303,9 @@ def write_tiny_gguf(path: Path, qtype: str) -> Path:
     def add(name: str, x: np.ndarray, kind: str) -> None:
         if kind == "F32":
             w.add_tensor(name, x.astype(np.float32))
-        else:
+        else:  # the K-quants as random blocks (file_blocks)
             t = gguf.GGMLQuantizationType[kind]
-            w.add_tensor(name, gguf.quants.quantize(x.astype(np.float32), t), raw_dtype=t)
+            w.add_tensor(name, file_blocks(kind, x.astype(np.float32)).numpy(), raw_dtype=t)
 
     add("token_embd.weight", rng.standard_normal((c["vocab"], c["hidden"])) * 0.5, "Q8_0")
     add("output_norm.weight", 1 + 0.1 * rng.standard_normal(c["hidden"]), "F32")

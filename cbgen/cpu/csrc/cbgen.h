@@ -71,15 +71,15 @@ void cbgen_pack_panels_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *w
 int cbgen_small_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                           const float *bias, int dot, float *y);
 
-/* qgemm.c: matmuls over GGUF-quantized weights (Q8_0, Q4_0, Q4_1), x quantized to 8 bits */
+/* qgemm.c: matmuls over GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+ * Q6_K) in their blocks, x quantized to 8 bits */
 int64_t cbgen_q_isa(void);
 int64_t cbgen_q_packed_bytes(int type, int64_t N, int64_t K);
 int cbgen_q_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out);
-void cbgen_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *s);
-int cbgen_q_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *wp, int64_t N,
-                 const float *bias, float *y);
-int cbgen_q_gemm_ref(int type, const float *x, int64_t M, int64_t K, const uint8_t *wp,
-                     int64_t N, const float *bias, float *y);
+void cbgen_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *s,
+                       int32_t *l);
+int cbgen_q_gemm(int64_t nseg, const int64_t *types, const int64_t *weights, const int64_t *ns,
+                 const float *x, int64_t M, int64_t K, const float *bias, float *y, int64_t ref);
 
 /* activation.c: the gated MLP's activation over a gate-up product */
 void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);

@@ -1,33 +1,49 @@
 /* Matmuls over GGUF-quantized weights, executed in their own blocks: y[M, N] = x[M, K] @ W^T
- * (+ bias), x, y and the bias float32, W in one of the block types below, as llama.cpp runs them:
- * x is quantized per row to 8-bit blocks of 32 (scale dx = max|x| / 127, q = x / dx rounded to
- * nearest even, and the block's sum sx), and each weight block's integer dot product with x's
- * block is scaled in float32:
+ * (+ bias), x, y and the bias float32, W in one of the ggml block types below. x is quantized
+ * per row to 8-bit blocks of 32 (scale dx = max|x| / 127, q = x / dx rounded to nearest even,
+ * the block's sum sx and the sum of its first 16, sl), and each weight sub-block's integer dot
+ * product with x's block is scaled in float32:
  *
- *   type   block of 32 weights              weight value           per block, per column
- *   Q8_0   d (fp16), 32 int8                d q                    d dx (isum)
- *   Q4_0   d (fp16), 16 bytes of nibbles    d (q - 8)              d dx (isum - 8 sx)
- *   Q4_1   d, m (fp16), 16 bytes            d q + m                d dx isum + m dx sx
+ *   type  file block (weights)                   weight value        sub-block  min
+ *   Q8_0  d, 32 int8 (32)                          d q                32         -
+ *   Q4_0  d, 16 bytes of nibbles (32)              d (q - 8)          32         -
+ *   Q4_1  d, m, 16 bytes (32)                      d q + m            32         m
+ *   Q5_0  d, 32 high bits, 16 bytes (32)           d (q - 16)         32         -
+ *   Q5_1  d, m, high bits, 16 bytes (32)           d q + m            32         m
+ *   Q4_K  d, dmin, 6-bit scales and mins, (256)    d sc_j q - dmin m_j 32        dmin m_j
+ *   Q5_K  the same and 256 high bits (256)         d sc_j q - dmin m_j 32        dmin m_j
+ *   Q6_K  4 + 2 bits, 16 int8 scales, d (256)      d sc_j (q - 32)    16         -
  *
- * with isum = sum_k qw_k qx_k, exact in int32. Every type is stored, as llama.cpp's kernels use
- * it, with its weights as unsigned 8-bit values (Q8_0's q + 128: isum then drops 128 sx), so
- * one integer dot product of unsigned weights and signed activations serves them all.
+ * (d, m, dmin fp16; q the stored unsigned value). Per sub-block j of a column and x's block
+ * b, with isum = sum_k q_k qx_k exact in int32 less the type's offset times x's sum over the
+ * sub-block:
  *
- * The weight is repacked once into panels of 16 output columns, block by block:
+ *   acc += float(isum) (s_j dx_b)        s_j = d, or d sc_j for the K-quants (exact in float)
+ *   acc += m (dx_b sx_b)                 Q4_1, Q5_1
+ *   acc -= (dmin m_j) (dx_b sx_b)        Q4_K, Q5_K
  *
- *   panel p, block b:  d[16] fp16 | (Q4_1) m[16] fp16 | quants
- *   quants, 4-bit:     4 runs of 64 bytes: run r, byte 4 j + t = column j's weights k = 8 r + t
- *                      (low nibble) and k = 8 r + 4 + t (high nibble)
- *   quants, 8-bit:     8 runs of 64 bytes: run r, byte 4 j + t = column j's weight k = 4 r + t
+ * in that order, sub-blocks in k order. Every path (AVX512-VNNI, AVX2, the scalar reference)
+ * computes the same integers and the same float32 operations in the same order (no fused
+ * multiply-add: the file is built with -ffp-contract=off), so the reference (cbgen_q_gemm with
+ * ref = 1, and tests/ NumPy) gives their bits exactly.
+ *
+ * The weight is repacked once into panels of 16 output columns, file block by file block:
+ *
+ *   header:  d[16] fp16 | (a min) m or dmin[16] fp16 | (K) scales[subs][16]
+ *            | (Q4_K, Q5_K) mins[8][16]
+ *   then per group of 32 weights:
+ *     4-bit and more: 4 runs of 64 bytes, run r byte 4 j + t = column j's k = 8 r + t (low
+ *                     nibble) and k = 8 r + 4 + t (high nibble); then per bit above the
+ *                     fourth, per run, a 64-bit mask of the low nibbles' and one of the high
+ *                     nibbles' bits (bit i for byte i)
+ *     8-bit:          8 runs of 64 bytes, run r byte 4 j + t = column j's k = 4 r + t
  *
  * so a 64-byte load holds four consecutive k of each of the 16 columns, the operand of one
- * AVX512-VNNI vpdpbusd (4 multiply-adds a lane) against four of x's values broadcast: the panel
- * takes exactly the bytes of the file's blocks (fp16 scales kept, nibbles kept packed). AVX2
- * builds take the same layout 8 columns at a time with vpmaddubsw + vpmaddwd; others a scalar
- * loop. Every path computes the same integers and the same float32 operations in the same
- * order (per block: t = d dx; acc += float(isum) t; Q4_1: acc += m (dx sx); no fused
- * multiply-add: the file is built with -ffp-contract=off), so the scalar reference
- * (cbgen_q_gemm_ref, and tests/ NumPy) gives their bits exactly.
+ * AVX512-VNNI vpdpbusd against four of x's values broadcast, the high bits going in with one
+ * masked byte add. Weights are kept unsigned (Q8_0's q + 128, an offset like Q4_0's 8), so one
+ * unsigned-by-signed dot product serves every type. The panel holds the file's bytes (the
+ * K-quants' packed 6-bit scales unpacked to bytes: 148 bytes a column of 256 for Q4_K's 144).
+ * AVX2 builds take the same layout 8 columns at a time with vpmaddubsw + vpmaddwd.
  */
 #include <math.h>
 #include <omp.h>
@@ -48,70 +64,178 @@
 #define QISA 0
 #endif
 
-#define QK 32   /* weights per block */
+#define QK 32    /* weights per group (x's block) */
 #define QCOLS 16 /* output columns per packed panel */
-#define RMAX 8  /* rows of a register tile */
+#define RMAX 8   /* rows of a register tile */
 
-enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3 }; /* ggml type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+typedef struct {
+    int bits;  /* stored bits a weight: 4, 5, 6 or 8 */
+    int off;   /* subtracted from every stored value (types without a min) */
+    int min;   /* 1: + m (Q4_1, Q5_1); 2: - dmin m_j (Q4_K, Q5_K) */
+    int super; /* weights a file block: 32, or 256 (K-quants) */
+    int sub;   /* weights a scale: 32, or 16 (Q6_K) */
+    int kq;    /* integer scales per sub-block under the block's d */
+    int file;  /* bytes of a file block */
+} qtype;
+
+static int qtype_of(int type, qtype *t) {
+    static const qtype Q[] = {
+        [Q4_0] = {4, 8, 0, 32, 32, 0, 18},   [Q4_1] = {4, 0, 1, 32, 32, 0, 20},
+        [Q5_0] = {5, 16, 0, 32, 32, 0, 22},  [Q5_1] = {5, 0, 1, 32, 32, 0, 24},
+        [Q8_0] = {8, 128, 0, 32, 32, 0, 34}, [Q4_K] = {4, 0, 2, 256, 32, 1, 144},
+        [Q5_K] = {5, 0, 2, 256, 32, 1, 176}, [Q6_K] = {6, 32, 0, 256, 16, 1, 210},
+    };
+    if (type < 0 || type > Q6_K || !Q[type].bits) return 0;
+    *t = Q[type];
+    return 1;
+}
 
 int64_t cbgen_q_isa(void) { return QISA; }
 
-static int bits_of(int type) { return type == Q8_0 ? 8 : (type == Q4_0 || type == Q4_1) ? 4 : 0; }
-
-static int offset_of(int type) { return type == Q8_0 ? 128 : type == Q4_0 ? 8 : 0; }
-
-/* Bytes of one packed block of 16 columns: fp16 d (and m), then the quants. */
-static int64_t block_bytes(int type) {
-    const int64_t scales = QCOLS * 2 * (type == Q4_1 ? 2 : 1);
-    return scales + QCOLS * QK * bits_of(type) / 8;
+static int64_t header_bytes(const qtype *t) {
+    const int64_t subs = t->super / t->sub;
+    return QCOLS * 2 * (t->min ? 2 : 1) + (t->kq ? QCOLS * subs * (t->min ? 2 : 1) : 0);
 }
 
-/* Bytes of a file block of 32 weights of a type. */
-static int64_t file_block_bytes(int type) {
-    return type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20 : 0;
+/* A group of 32 weights of 16 columns: nibble runs (or bytes) and the high bits' masks. */
+static int64_t group_bytes(const qtype *t) {
+    return t->bits == 8 ? 8 * 64 : 4 * 64 + (t->bits - 4) * 4 * 16;
+}
+
+/* One file block of 16 columns, packed. */
+static int64_t super_bytes(const qtype *t) {
+    return header_bytes(t) + t->super / QK * group_bytes(t);
 }
 
 int64_t cbgen_q_packed_bytes(int type, int64_t N, int64_t K) {
-    if (!bits_of(type) || N % QCOLS || K % QK) return -1;
-    return N / QCOLS * (K / QK) * block_bytes(type);
+    qtype t;
+    if (!qtype_of(type, &t) || N % QCOLS || K % t.super || K <= 0 || N <= 0) return -1;
+    return N / QCOLS * (K / t.super) * super_bytes(&t);
 }
 
-/* Column j's weights of one file block, as unsigned 8-bit values (with the type's offset). */
-static void unpack_block(int type, const uint8_t *blk, uint8_t *u) {
-    if (type == Q8_0) {
-        for (int i = 0; i < QK; ++i) u[i] = (uint8_t)((int8_t)blk[2 + i] + 128);
+/* The K-quants' 6-bit scale and min of sub-block j from their 12 packed bytes. */
+static void scale_min_k4(int j, const uint8_t *s, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | (s[j - 4] >> 6) << 4;
+        *mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+/* A file block: its stored values u (unsigned), d and the min (fp16 bits), the sub-blocks'
+ * integer scales and mins. */
+static void unpack_block(int type, const uint8_t *blk, uint8_t *u, uint16_t *d, uint16_t *m,
+                         int *sc, int *mn) {
+    *m = 0;
+    switch (type) {
+    case Q8_0:
+        memcpy(d, blk, 2);
+        for (int i = 0; i < 32; ++i) u[i] = (uint8_t)((int8_t)blk[2 + i] + 128);
+        return;
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {
+        const int two = type == Q4_1 || type == Q5_1, five = type == Q5_0 || type == Q5_1;
+        memcpy(d, blk, 2);
+        if (two) memcpy(m, blk + 2, 2);
+        const uint8_t *p = blk + (two ? 4 : 2);
+        uint32_t qh = 0;
+        if (five) {
+            memcpy(&qh, p, 4); /* little-endian, as the file stores it */
+            p += 4;
+        }
+        for (int i = 0; i < 16; ++i) {
+            u[i] = (uint8_t)((p[i] & 0x0F) | (five ? ((qh >> i) & 1) << 4 : 0));
+            u[i + 16] = (uint8_t)((p[i] >> 4) | (five ? ((qh >> (i + 16)) & 1) << 4 : 0));
+        }
         return;
     }
-    const uint8_t *qs = blk + (type == Q4_1 ? 4 : 2);
-    for (int i = 0; i < QK / 2; ++i) {
-        u[i] = qs[i] & 0x0F;
-        u[i + QK / 2] = qs[i] >> 4;
+    case Q4_K:
+    case Q5_K: {
+        memcpy(d, blk, 2);
+        memcpy(m, blk + 2, 2);
+        for (int j = 0; j < 8; ++j) scale_min_k4(j, blk + 4, &sc[j], &mn[j]);
+        const uint8_t *qh = blk + 16, *qs = blk + (type == Q5_K ? 48 : 16);
+        for (int c = 0; c < 4; ++c)
+            for (int l = 0; l < 32; ++l) {
+                const uint8_t b = qs[32 * c + l];
+                int lo = b & 0x0F, hi = b >> 4;
+                if (type == Q5_K) {
+                    lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+                    hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                }
+                u[64 * c + l] = (uint8_t)lo;
+                u[64 * c + 32 + l] = (uint8_t)hi;
+            }
+        return;
+    }
+    case Q6_K: {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        for (int j = 0; j < 16; ++j) sc[j] = (int8_t)blk[192 + j];
+        memcpy(d, blk + 208, 2);
+        for (int h = 0; h < 2; ++h)
+            for (int l = 0; l < 32; ++l) {
+                const uint8_t *a = ql + 64 * h, *b = qh + 32 * h;
+                uint8_t *o = u + 128 * h;
+                o[l] = (uint8_t)((a[l] & 0x0F) | ((b[l] >> 0) & 3) << 4);
+                o[l + 32] = (uint8_t)((a[l + 32] & 0x0F) | ((b[l] >> 2) & 3) << 4);
+                o[l + 64] = (uint8_t)((a[l] >> 4) | ((b[l] >> 4) & 3) << 4);
+                o[l + 96] = (uint8_t)((a[l + 32] >> 4) | ((b[l] >> 6) & 3) << 4);
+            }
+        return;
+    }
     }
 }
 
-/* w: the file's rows (N rows of K / 32 blocks each, in the file's block layout). */
+/* w: the file's rows (N rows of K / super blocks each, in the file's block layout). */
 int cbgen_q_pack(int type, const uint8_t *w, int64_t N, int64_t K, uint8_t *out) {
-    if (cbgen_q_packed_bytes(type, N, K) < 0) return -1;
-    const int64_t KB = K / QK, fb = file_block_bytes(type), bb = block_bytes(type);
-    const int nib = bits_of(type) == 4, two = type == Q4_1;
+    qtype t;
+    if (cbgen_q_packed_bytes(type, N, K) < 0 || !qtype_of(type, &t)) return -1;
+    const int64_t SB = K / t.super, sbb = super_bytes(&t), hb = header_bytes(&t);
+    const int64_t gb = group_bytes(&t), subs = t.super / t.sub;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < N / QCOLS; ++p)
-        for (int64_t b = 0; b < KB; ++b) {
-            uint8_t *dst = out + (p * KB + b) * bb;
-            uint8_t *q = dst + QCOLS * 2 * (two ? 2 : 1);
+        for (int64_t s = 0; s < SB; ++s) {
+            uint8_t *dst = out + (p * SB + s) * sbb;
+            memset(dst, 0, (size_t)sbb);
             for (int j = 0; j < QCOLS; ++j) {
-                const uint8_t *blk = w + ((p * QCOLS + j) * KB + b) * fb;
-                memcpy(dst + 2 * j, blk, 2); /* d */
-                if (two) memcpy(dst + QCOLS * 2 + 2 * j, blk + 2, 2); /* m */
-                uint8_t u[QK];
-                unpack_block(type, blk, u);
-                if (nib)
+                const uint8_t *blk = w + ((p * QCOLS + j) * SB + s) * t.file;
+                uint8_t u[256];
+                uint16_t dh, mh;
+                int sc[16], mn[16];
+                unpack_block(type, blk, u, &dh, &mh, sc, mn);
+                memcpy(dst + 2 * j, &dh, 2);
+                if (t.min) memcpy(dst + QCOLS * 2 + 2 * j, &mh, 2);
+                uint8_t *scales = dst + QCOLS * 2 * (t.min ? 2 : 1);
+                if (t.kq)
+                    for (int64_t i = 0; i < subs; ++i) {
+                        scales[i * QCOLS + j] = (uint8_t)sc[i];
+                        if (t.min) scales[(subs + i) * QCOLS + j] = (uint8_t)mn[i];
+                    }
+                for (int g = 0; g < t.super / QK; ++g) {
+                    uint8_t *q = dst + hb + g * gb;
+                    const uint8_t *ug = u + g * QK;
+                    if (t.bits == 8) {
+                        for (int r = 0; r < 8; ++r)
+                            for (int e = 0; e < 4; ++e) q[r * 64 + 4 * j + e] = ug[4 * r + e];
+                        continue;
+                    }
                     for (int r = 0; r < 4; ++r)
-                        for (int t = 0; t < 4; ++t)
-                            q[r * 64 + 4 * j + t] = (uint8_t)(u[8 * r + t] | u[8 * r + 4 + t] << 4);
-                else
-                    for (int r = 0; r < 8; ++r)
-                        for (int t = 0; t < 4; ++t) q[r * 64 + 4 * j + t] = u[4 * r + t];
+                        for (int e = 0; e < 4; ++e) {
+                            const int i = 4 * j + e, lo = ug[8 * r + e], hi = ug[8 * r + 4 + e];
+                            q[r * 64 + i] = (uint8_t)((lo & 0x0F) | (hi & 0x0F) << 4);
+                            for (int b = 0; b < t.bits - 4; ++b) {
+                                uint8_t *mask = q + 256 + (b * 4 + r) * 16;
+                                mask[i / 8] |= (uint8_t)(((lo >> (4 + b)) & 1) << (i % 8));
+                                mask[8 + i / 8] |= (uint8_t)(((hi >> (4 + b)) & 1) << (i % 8));
+                            }
+                        }
+                }
             }
         }
     return 0;
@@ -136,8 +260,10 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* x's rows quantized: per block of 32, q (int8), d = max|x| / 127 and s = sum q. */
-void cbgen_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *s) {
+/* x's rows quantized: per block of 32, q (int8), d = max|x| / 127, s = sum q and l = the sum
+ * of its first 16 q. */
+void cbgen_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *s,
+                       int32_t *l) {
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t m = 0; m < M; ++m)
         for (int64_t b = 0; b < K / QK; ++b) {
@@ -148,108 +274,184 @@ void cbgen_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d
                 amax = a > amax ? a : amax;
             }
             const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-            int32_t sum = 0;
+            int32_t sum = 0, low = 0;
             int8_t *qb = q + m * K + b * QK;
             for (int i = 0; i < QK; ++i) {
                 const int v = (int)nearbyintf(xb[i] * id);
                 qb[i] = (int8_t)v;
                 sum += v;
+                if (i == 15) low = sum;
             }
             d[m * (K / QK) + b] = db;
             s[m * (K / QK) + b] = sum;
+            l[m * (K / QK) + b] = low;
         }
 }
 
-/* The per-block float step every path takes: acc += float(isum) (d dx); (Q4_1) acc += m (dx sx). */
-static inline float block_step(float acc, int32_t isum, float d, float dx, float m, float dxs,
-                               int two) {
-    const float t = d * dx;
-    acc = acc + (float)isum * t;
-    if (two) acc = acc + m * dxs;
-    return acc;
+/* x quantized, as the tiles read it. */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int32_t *s, *l;
+    int64_t K, KB; /* row strides of q and of d, s, l */
+} qrows;
+
+/* x's sum over sub-block i of group b of a row (Q6_K: halves of 16). */
+static inline int32_t sub_sum(const qrows *x, int64_t row, int64_t b, int sub, int i) {
+    const int32_t s = x->s[row * x->KB + b];
+    if (sub == QK) return s;
+    const int32_t l = x->l[row * x->KB + b];
+    return i ? s - l : l;
+}
+
+/* Column j's sub-block scale s_i of one packed block (d, or d sc_i), and (kq) its dmin m_i. */
+static inline float sub_scale(const qtype *t, const uint8_t *hdr, int i, int j) {
+    uint16_t dh;
+    memcpy(&dh, hdr + 2 * j, 2);
+    const float d = half_to_float(dh);
+    if (!t->kq) return d;
+    const uint8_t *scales = hdr + QCOLS * 2 * (t->min ? 2 : 1);
+    const int sc = t->off ? (int)(int8_t)scales[i * QCOLS + j] : (int)scales[i * QCOLS + j];
+    return d * (float)sc;
+}
+
+static inline float sub_min(const qtype *t, const uint8_t *hdr, int i, int j) {
+    uint16_t mh;
+    memcpy(&mh, hdr + QCOLS * 2 + 2 * j, 2);
+    const float m = half_to_float(mh);
+    if (!t->kq) return m;
+    const int64_t subs = t->super / t->sub;
+    return m * (float)hdr[QCOLS * 2 * 2 + (subs + i) * QCOLS + j];
+}
+
+/* Column j's stored value k (0..31) of a packed group. */
+static inline int stored(const qtype *t, const uint8_t *q, int j, int k) {
+    if (t->bits == 8) return q[(k / 4) * 64 + 4 * j + k % 4];
+    const int r = k / 8, e = k % 4, hi = k % 8 >= 4, i = 4 * j + e;
+    int v = hi ? q[r * 64 + i] >> 4 : q[r * 64 + i] & 0x0F;
+    for (int b = 0; b < t->bits - 4; ++b)
+        v |= ((q[256 + (b * 4 + r) * 16 + 8 * hi + i / 8] >> (i % 8)) & 1) << (4 + b);
+    return v;
+}
+
+/* The float step after sub-block i of group b (every path: these operations, this order). */
+static inline float sub_step(float acc, int32_t isum, float s, float dx) {
+    const float t = s * dx;
+    return acc + (float)isum * t;
 }
 
 /* The scalar reference (and the path of builds without AVX2): one column, one row. */
-static float dot_ref(int type, const uint8_t *panel, int64_t KB, int j, const int8_t *qx,
-                     const float *dx, const int32_t *sx) {
-    const int64_t bb = block_bytes(type);
-    const int nib = bits_of(type) == 4, two = type == Q4_1, off = offset_of(type);
+static float dot_ref(const qtype *t, const uint8_t *panel, int64_t SB, int j, const qrows *x,
+                     int64_t row) {
+    const int64_t sbb = super_bytes(t), hb = header_bytes(t), gb = group_bytes(t);
+    const int groups = t->super / QK, per = QK / t->sub;
     float acc = 0.0f;
-    for (int64_t b = 0; b < KB; ++b) {
-        const uint8_t *blk = panel + b * bb;
-        uint16_t dh, mh = 0;
-        memcpy(&dh, blk + 2 * j, 2);
-        if (two) memcpy(&mh, blk + QCOLS * 2 + 2 * j, 2);
-        const uint8_t *q = blk + QCOLS * 2 * (two ? 2 : 1);
-        int32_t isum = 0;
-        for (int k = 0; k < QK; ++k) {
-            int w;
-            if (nib) {
-                const int r = k / 8, t = k % 4, hi = k % 8 >= 4;
-                const uint8_t byte = q[r * 64 + 4 * j + t];
-                w = hi ? byte >> 4 : byte & 0x0F;
-            } else
-                w = q[(k / 4) * 64 + 4 * j + k % 4];
-            isum += w * qx[b * QK + k];
+    for (int64_t s = 0; s < SB; ++s) {
+        const uint8_t *hdr = panel + s * sbb;
+        for (int g = 0; g < groups; ++g) {
+            const int64_t b = s * groups + g;
+            const uint8_t *q = hdr + hb + g * gb;
+            const int8_t *qx = x->q + row * x->K + b * QK;
+            const float dx = x->d[row * x->KB + b];
+            for (int h = 0; h < per; ++h) {
+                int32_t isum = 0;
+                for (int k = h * t->sub; k < (h + 1) * t->sub; ++k)
+                    isum += stored(t, q, j, k) * qx[k];
+                isum -= t->off * sub_sum(x, row, b, t->sub, h);
+                acc = sub_step(acc, isum, sub_scale(t, hdr, g * per + h, j), dx);
+            }
+            if (t->min) {
+                const float dxs = dx * (float)x->s[row * x->KB + b];
+                if (t->min == 1) acc = acc + sub_min(t, hdr, g, j) * dxs;
+                else acc = acc - sub_min(t, hdr, g, j) * dxs;
+            }
         }
-        isum -= off * sx[b];
-        acc = block_step(acc, isum, half_to_float(dh), dx[b], two ? half_to_float(mh) : 0.0f,
-                         dx[b] * (float)sx[b], two);
     }
     return acc;
 }
 
 #if QISA == 2
 /* AVX512-VNNI: a tile of R rows x the panel's 16 columns. */
-static void tile_vnni(int type, const uint8_t *panel, int64_t KB, int R, const int8_t *qx,
-                      int64_t ldq, const float *dx, const int32_t *sx, int64_t lds, float *y,
-                      int64_t ldy, const float *bias) {
-    const int64_t bb = block_bytes(type);
-    const int nib = bits_of(type) == 4, two = type == Q4_1, off = offset_of(type);
+static void tile_vnni(const qtype *t, const uint8_t *panel, int64_t SB, int R, const qrows *x,
+                      int64_t row0, float *y, int64_t ldy, const float *bias) {
+    const int64_t sbb = super_bytes(t), hb = header_bytes(t), gb = group_bytes(t);
+    const int groups = t->super / QK, per = QK / t->sub, subs = t->super / t->sub;
+    const int runs = t->bits == 8 ? 8 : 4, per_sub = runs / per;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[RMAX];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < KB; ++b) {
-        const uint8_t *blk = panel + b * bb;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    for (int64_t s = 0; s < SB; ++s) {
+        const uint8_t *hdr = panel + s * sbb;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hdr));
         const __m512 m =
-            two ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))) : d;
-        const uint8_t *q = blk + QCOLS * 2 * (two ? 2 : 1);
-        __m512i is[RMAX];
-        for (int r = 0; r < R; ++r) is[r] = _mm512_setzero_si512();
-        if (nib) {
-            for (int run = 0; run < 4; ++run) {
-                const __m512i v = _mm512_loadu_si512(q + run * 64);
-                const __m512i lo = _mm512_and_si512(v, low4);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            t->min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32))) : d;
+        const uint8_t *scales = hdr + QCOLS * 2 * (t->min ? 2 : 1);
+        for (int g = 0; g < groups; ++g) {
+            const int64_t b = s * groups + g;
+            const uint8_t *q = hdr + hb + g * gb;
+            for (int h = 0; h < per; ++h) {
+                const int i = g * per + h;
+                __m512 sc = d;
+                if (t->kq) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i *)(scales + i * QCOLS));
+                    const __m512i wide =
+                        t->off ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+                    sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(wide));
+                }
+                __m512i is[RMAX];
+                for (int r = 0; r < R; ++r) is[r] = _mm512_setzero_si512();
+                for (int run = h * per_sub; run < (h + 1) * per_sub; ++run) {
+                    const __m512i v = _mm512_loadu_si512(q + run * 64);
+                    if (t->bits == 8) {
+                        for (int r = 0; r < R; ++r) {
+                            int32_t x0;
+                            memcpy(&x0, x->q + (row0 + r) * x->K + b * QK + 4 * run, 4);
+                            is[r] = _mm512_dpbusd_epi32(is[r], v, _mm512_set1_epi32(x0));
+                        }
+                        continue;
+                    }
+                    __m512i lo = _mm512_and_si512(v, low4);
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                    for (int bit = 0; bit < t->bits - 4; ++bit) {
+                        const uint8_t *mk = q + 256 + (bit * 4 + run) * 16;
+                        uint64_t ml, mh;
+                        memcpy(&ml, mk, 8);
+                        memcpy(&mh, mk + 8, 8);
+                        const __m512i add = _mm512_set1_epi8((char)(16 << bit));
+                        lo = _mm512_mask_add_epi8(lo, (__mmask64)ml, lo, add);
+                        hi = _mm512_mask_add_epi8(hi, (__mmask64)mh, hi, add);
+                    }
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t *xr = x->q + (row0 + r) * x->K + b * QK + 8 * run;
+                        int32_t x0, x1;
+                        memcpy(&x0, xr, 4);
+                        memcpy(&x1, xr + 4, 4);
+                        is[r] = _mm512_dpbusd_epi32(is[r], lo, _mm512_set1_epi32(x0));
+                        is[r] = _mm512_dpbusd_epi32(is[r], hi, _mm512_set1_epi32(x1));
+                    }
+                }
                 for (int r = 0; r < R; ++r) {
-                    const int8_t *xr = qx + r * ldq + b * QK + 8 * run;
-                    int32_t x0, x1;
-                    memcpy(&x0, xr, 4);
-                    memcpy(&x1, xr + 4, 4);
-                    is[r] = _mm512_dpbusd_epi32(is[r], lo, _mm512_set1_epi32(x0));
-                    is[r] = _mm512_dpbusd_epi32(is[r], hi, _mm512_set1_epi32(x1));
+                    const int32_t off = t->off * sub_sum(x, row0 + r, b, t->sub, h);
+                    const __m512i isum = _mm512_sub_epi32(is[r], _mm512_set1_epi32(off));
+                    const __m512 dxr = _mm512_set1_ps(x->d[(row0 + r) * x->KB + b]);
+                    const __m512 tt = _mm512_mul_ps(sc, dxr);
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), tt));
                 }
             }
-        } else {
-            for (int run = 0; run < 8; ++run) {
-                const __m512i v = _mm512_loadu_si512(q + run * 64);
+            if (t->min) {
+                __m512 mv = m;
+                if (t->kq) {
+                    const __m128i raw =
+                        _mm_loadu_si128((const __m128i *)(scales + (subs + g) * QCOLS));
+                    mv = _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw)));
+                }
                 for (int r = 0; r < R; ++r) {
-                    int32_t x0;
-                    memcpy(&x0, qx + r * ldq + b * QK + 4 * run, 4);
-                    is[r] = _mm512_dpbusd_epi32(is[r], v, _mm512_set1_epi32(x0));
+                    const int64_t k = (row0 + r) * x->KB + b;
+                    const __m512 dxs = _mm512_set1_ps(x->d[k] * (float)x->s[k]);
+                    if (t->min == 1) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mv, dxs));
+                    else acc[r] = _mm512_sub_ps(acc[r], _mm512_mul_ps(mv, dxs));
                 }
             }
-        }
-        for (int r = 0; r < R; ++r) {
-            const float dxr = dx[r * lds + b];
-            const int32_t sxr = sx[r * lds + b];
-            const __m512i isum = _mm512_sub_epi32(is[r], _mm512_set1_epi32(off * sxr));
-            const __m512 t = _mm512_mul_ps(d, _mm512_set1_ps(dxr));
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), t));
-            if (two)
-                acc[r] = _mm512_add_ps(acc[r],
-                                       _mm512_mul_ps(m, _mm512_set1_ps(dxr * (float)sxr)));
         }
     }
     for (int r = 0; r < R; ++r) {
@@ -260,123 +462,165 @@ static void tile_vnni(int type, const uint8_t *panel, int64_t KB, int R, const i
 }
 #elif QISA == 1
 /* AVX2: a tile of R rows x 8 of the panel's 16 columns (half h); vpmaddubsw pairs u8 x s8 into
- * s16 (no saturation: a 4-bit weight is <= 15, an 8-bit one makes |w x| <= 255 x 127, so
- * Q8_0 adds its pairs apart), vpmaddwd sums them into the column's int32 lane. */
+ * s16 (no saturation: a stored value below 64 makes a pair at most 2 x 63 x 127), vpmaddwd
+ * sums them into the column's int32 lane; 8-bit weights widen to s16 first. */
 static inline __m256i dot4(__m256i w, __m256i x, int eight) {
     const __m256i ones = _mm256_set1_epi16(1);
     if (!eight) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-    /* 8-bit: widen to s16 and multiply-add pairs (w + 128 <= 255 fits s16 exactly) */
     const __m256i even = _mm256_set1_epi16(0x00FF);
     const __m256i we = _mm256_and_si256(w, even), wo = _mm256_srli_epi16(w, 8);
     const __m256i xe = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8), xo = _mm256_srai_epi16(x, 8);
     return _mm256_add_epi32(_mm256_madd_epi16(we, xe), _mm256_madd_epi16(wo, xo));
 }
 
-static void tile_avx2(int type, const uint8_t *panel, int64_t KB, int R, const int8_t *qx,
-                      int64_t ldq, const float *dx, const int32_t *sx, int64_t lds, float *y,
-                      int64_t ldy, const float *bias, int h) {
-    const int64_t bb = block_bytes(type);
-    const int nib = bits_of(type) == 4, two = type == Q4_1, off = offset_of(type);
+/* 32 mask bits -> 32 bytes, 0xFF where the bit is set. */
+static inline __m256i expand_bits(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                            2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i one = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, one), one);
+}
+
+static inline __m256 cvt_scales(const uint8_t *p, int is_signed) {
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)p);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
+}
+
+static void tile_avx2(const qtype *t, const uint8_t *panel, int64_t SB, int R, const qrows *x,
+                      int64_t row0, float *y, int64_t ldy, const float *bias, int half) {
+    const int64_t sbb = super_bytes(t), hb = header_bytes(t), gb = group_bytes(t);
+    const int groups = t->super / QK, per = QK / t->sub, subs = t->super / t->sub;
+    const int runs = t->bits == 8 ? 8 : 4, per_sub = runs / per, nib = t->bits != 8;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[RMAX];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < KB; ++b) {
-        const uint8_t *blk = panel + b * bb;
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+    for (int64_t s = 0; s < SB; ++s) {
+        const uint8_t *hdr = panel + s * sbb;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * half)));
         const __m256 m =
-            two ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h))) : d;
-        const uint8_t *q = blk + QCOLS * 2 * (two ? 2 : 1) + 32 * h;
-        __m256i is[RMAX];
-        for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
-        const int runs = nib ? 4 : 8;
-        for (int run = 0; run < runs; ++run) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + run * 64));
-            const __m256i lo = nib ? _mm256_and_si256(v, low4) : v;
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            for (int r = 0; r < R; ++r) {
-                const int8_t *xr = qx + r * ldq + b * QK + (nib ? 8 : 4) * run;
-                int32_t x0, x1;
-                memcpy(&x0, xr, 4);
-                is[r] = _mm256_add_epi32(is[r], dot4(lo, _mm256_set1_epi32(x0), !nib));
-                if (nib) {
-                    memcpy(&x1, xr + 4, 4);
-                    is[r] = _mm256_add_epi32(is[r], dot4(hi, _mm256_set1_epi32(x1), 0));
+            t->min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 32 + 16 * half)))
+                   : d;
+        const uint8_t *scales = hdr + QCOLS * 2 * (t->min ? 2 : 1) + 8 * half;
+        for (int g = 0; g < groups; ++g) {
+            const int64_t b = s * groups + g;
+            const uint8_t *q = hdr + hb + g * gb;
+            for (int h = 0; h < per; ++h) {
+                const int i = g * per + h;
+                const __m256 sc =
+                    t->kq ? _mm256_mul_ps(d, cvt_scales(scales + i * QCOLS, t->off)) : d;
+                __m256i is[RMAX];
+                for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
+                for (int run = h * per_sub; run < (h + 1) * per_sub; ++run) {
+                    const __m256i v =
+                        _mm256_loadu_si256((const __m256i *)(q + run * 64 + 32 * half));
+                    __m256i lo = nib ? _mm256_and_si256(v, low4) : v;
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    for (int bit = 0; nib && bit < t->bits - 4; ++bit) {
+                        const uint8_t *mk = q + 256 + (bit * 4 + run) * 16 + 4 * half;
+                        uint32_t ml, mh;
+                        memcpy(&ml, mk, 4);
+                        memcpy(&mh, mk + 8, 4);
+                        const __m256i add = _mm256_set1_epi8((char)(16 << bit));
+                        lo = _mm256_add_epi8(lo, _mm256_and_si256(expand_bits(ml), add));
+                        hi = _mm256_add_epi8(hi, _mm256_and_si256(expand_bits(mh), add));
+                    }
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t *xr =
+                            x->q + (row0 + r) * x->K + b * QK + (nib ? 8 : 4) * run;
+                        int32_t x0, x1;
+                        memcpy(&x0, xr, 4);
+                        is[r] = _mm256_add_epi32(is[r], dot4(lo, _mm256_set1_epi32(x0), !nib));
+                        if (nib) {
+                            memcpy(&x1, xr + 4, 4);
+                            is[r] = _mm256_add_epi32(is[r], dot4(hi, _mm256_set1_epi32(x1), 0));
+                        }
+                    }
+                }
+                for (int r = 0; r < R; ++r) {
+                    const int32_t off = t->off * sub_sum(x, row0 + r, b, t->sub, h);
+                    const __m256i isum = _mm256_sub_epi32(is[r], _mm256_set1_epi32(off));
+                    const __m256 dxr = _mm256_set1_ps(x->d[(row0 + r) * x->KB + b]);
+                    const __m256 tt = _mm256_mul_ps(sc, dxr);
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), tt));
                 }
             }
-        }
-        for (int r = 0; r < R; ++r) {
-            const float dxr = dx[r * lds + b];
-            const int32_t sxr = sx[r * lds + b];
-            const __m256i isum = _mm256_sub_epi32(is[r], _mm256_set1_epi32(off * sxr));
-            const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(dxr));
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), t));
-            if (two)
-                acc[r] = _mm256_add_ps(acc[r],
-                                       _mm256_mul_ps(m, _mm256_set1_ps(dxr * (float)sxr)));
+            if (t->min) {
+                const __m256 mv =
+                    t->kq ? _mm256_mul_ps(m, cvt_scales(scales + (subs + g) * QCOLS, 0)) : m;
+                for (int r = 0; r < R; ++r) {
+                    const int64_t k = (row0 + r) * x->KB + b;
+                    const __m256 dxs = _mm256_set1_ps(x->d[k] * (float)x->s[k]);
+                    if (t->min == 1) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mv, dxs));
+                    else acc[r] = _mm256_sub_ps(acc[r], _mm256_mul_ps(mv, dxs));
+                }
+            }
         }
     }
     for (int r = 0; r < R; ++r) {
         __m256 v = acc[r];
-        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
-        _mm256_storeu_ps(y + r * ldy + 8 * h, v);
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * half));
+        _mm256_storeu_ps(y + r * ldy + 8 * half, v);
     }
 }
 #endif
 
-static int q_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *wp, int64_t N,
-                  const float *bias, float *y, int ref) {
-    if (cbgen_q_packed_bytes(type, N, K) < 0) return -1;
-    const int64_t KB = K / QK, P = N / QCOLS, bb = block_bytes(type);
-    /* x quantized: q [M, K] int8, then d [M, KB] float, then s [M, KB] int32 */
-    uint8_t *buf = thread_buffer(M * K + M * KB * 8 + 64);
+/* y[:, the segments' columns side by side] = x @ W_seg^T (+ bias): a fused layer's parts
+ * (q, k, v; gate, up), each in its own type, x quantized once. types[i], weights[i] (the
+ * packed bytes' address) and ns[i] per segment; bias [sum ns] or NULL; y [M, sum ns]. ref: the
+ * scalar reference on every build (tests). 0; -1: a type, N or K this does not take; -2: no
+ * memory for x's quantized copy. */
+int cbgen_q_gemm(int64_t nseg, const int64_t *types, const int64_t *weights, const int64_t *ns,
+                 const float *x, int64_t M, int64_t K, const float *bias, float *y, int64_t ref) {
+    if (nseg <= 0 || nseg > 8 || K % QK || M < 0) return -1;
+    qtype ts[8];
+    int64_t first[9] = {0}, col0[9] = {0};
+    for (int64_t i = 0; i < nseg; ++i) {
+        if (cbgen_q_packed_bytes((int)types[i], ns[i], K) < 0 || !qtype_of((int)types[i], &ts[i]))
+            return -1;
+        first[i + 1] = first[i] + ns[i] / QCOLS;
+        col0[i + 1] = col0[i] + ns[i];
+    }
+    if (M == 0) return 0;
+    const int64_t KB = K / QK, N = col0[nseg];
+    /* x quantized: q [M, K] int8, then d [M, KB] float, s and l [M, KB] int32 */
+    uint8_t *buf = thread_buffer(M * K + M * KB * 12 + 64);
     if (!buf) return -2;
     int8_t *qx = (int8_t *)buf;
     float *dx = (float *)(buf + (M * K + 63) / 64 * 64);
-    int32_t *sx = (int32_t *)(dx + M * KB);
-    cbgen_q8_quantize(x, M, K, qx, dx, sx);
+    int32_t *sx = (int32_t *)(dx + M * KB), *lx = sx + M * KB;
+    cbgen_q8_quantize(x, M, K, qx, dx, sx, lx);
+    const qrows xr = {qx, dx, sx, lx, K, KB};
     const int64_t tiles = (M + RMAX - 1) / RMAX;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t p = 0; p < P; ++p) {
-        const uint8_t *panel = wp + p * KB * bb;
-        const float *b = bias ? bias + p * QCOLS : 0;
+    for (int64_t p = 0; p < first[nseg]; ++p) {
+        int64_t i = 0;
+        while (p >= first[i + 1]) ++i;
+        const qtype *t = &ts[i];
+        const int64_t SB = K / t->super, local = p - first[i];
+        const uint8_t *panel = (const uint8_t *)(intptr_t)weights[i] + local * SB * super_bytes(t);
+        const int64_t c0 = col0[i] + local * QCOLS;
+        const float *b = bias ? bias + c0 : 0;
         int64_t m0 = 0;
-        for (int64_t t = 0; t < tiles; ++t) {
-            const int R = (int)((M - m0) / (tiles - t));
-            float *out = y + m0 * N + p * QCOLS;
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+            const int R = (int)((M - m0) / (tiles - tile));
+            float *out = y + m0 * N + c0;
             if (ref || QISA == 0) {
                 for (int r = 0; r < R; ++r)
                     for (int j = 0; j < QCOLS; ++j) {
-                        const int64_t row = m0 + r;
-                        const float v = dot_ref(type, panel, KB, j, qx + row * K, dx + row * KB,
-                                                sx + row * KB);
+                        const float v = dot_ref(t, panel, SB, j, &xr, m0 + r);
                         out[r * N + j] = b ? v + b[j] : v;
                     }
             }
 #if QISA == 2
             else
-                tile_vnni(type, panel, KB, R, qx + m0 * K, K, dx + m0 * KB, sx + m0 * KB, KB,
-                          out, N, b);
+                tile_vnni(t, panel, SB, R, &xr, m0, out, N, b);
 #elif QISA == 1
             else
-                for (int h = 0; h < 2; ++h)
-                    tile_avx2(type, panel, KB, R, qx + m0 * K, K, dx + m0 * KB, sx + m0 * KB,
-                              KB, out, N, b, h);
+                for (int h = 0; h < 2; ++h) tile_avx2(t, panel, SB, R, &xr, m0, out, N, b, h);
 #endif
             m0 += R;
         }
     }
     return 0;
-}
-
-/* x [M, K] float32 contiguous, wp packed by cbgen_q_pack, y [M, N]. 0; -1: a type, N or K this
- * does not take; -2: no memory for x's quantized copy. */
-int cbgen_q_gemm(int type, const float *x, int64_t M, int64_t K, const uint8_t *wp, int64_t N,
-                 const float *bias, float *y) {
-    return q_gemm(type, x, M, K, wp, N, bias, y, 0);
-}
-
-/* The same through the scalar reference (tests: every ISA path against it, bit for bit). */
-int cbgen_q_gemm_ref(int type, const float *x, int64_t M, int64_t K, const uint8_t *wp,
-                     int64_t N, const float *bias, float *y) {
-    return q_gemm(type, x, M, K, wp, N, bias, y, 1);
 }
