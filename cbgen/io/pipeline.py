@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cbgen.config import SamplingParams
 from cbgen.display import Display, ProgressSnapshot
@@ -31,7 +31,7 @@ from cbgen.io.progress import ProgressTracker
 from cbgen.io.rows import ChatDefaults, InputRow, RowError
 from cbgen.io.schema import error_record, ok_record
 from cbgen.io.stop import StopFlag
-from cbgen.io.writer import KeySet, StagingWriter, row_key
+from cbgen.io.writer import row_key
 
 if TYPE_CHECKING:
     from cbgen.engine.engine import Engine
@@ -52,6 +52,23 @@ def sample_seed(params: SamplingParams, base_seed: int, row: int, sample_index: 
         return None
     digest = hashlib.blake2b(f"{base_seed}:{row}:{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+class RowSink(Protocol):
+    """Where the loop's output rows go: a StagingWriter, or what a Ray actor hands back."""
+
+    buffer: list[dict[str, Any]]
+    """Rows added and not yet flushed."""
+
+    def add(self, record: dict[str, Any]) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class DoneKeys(Protocol):
+    """The row_key of every output row already written (a KeySet, or a set of them)."""
+
+    def __contains__(self, key: bytes, /) -> bool: ...
 
 
 END = object()
@@ -108,11 +125,11 @@ class GenerationLoop:
         self,
         engine: Engine,
         rows: Iterator[InputRow],
-        writer: StagingWriter,
+        writer: RowSink,
         tracker: ProgressTracker,
         display: Display,
         defaults: SamplingParams,
-        done: KeySet,
+        done: DoneKeys,
         stop: StopFlag,
         queue_depth: int | None = None,
         on_progress: Callable[[ProgressSnapshot], None] | None = None,
@@ -139,6 +156,8 @@ class GenerationLoop:
         self.inflight: dict[str, _Flight] = {}
         self.exhausted = False
         self.rows_seen = 0
+        """Rows taken from the input; also numbers the engine's request ids, which stay unique
+        when rows from several sources share row indices (a Ray Data processor's batches)."""
         self._last_report = 0.0
         self._last_flush = 0.0
         self._params_cache: dict[Any, SamplingParams | str] = {}
@@ -211,7 +230,7 @@ class GenerationLoop:
             return
         pending = [i for i in range(params.n) if row_key(row.id, i) not in self.done]
         if not pending:
-            self.tracker.on_row_resumed()
+            self._row_resumed(row)
             return
         try:
             token_ids = self._tokens(row)
@@ -226,19 +245,19 @@ class GenerationLoop:
         group = _RowGroup(len(pending))
         base_seed = self.engine.config.seed
         for i in pending:
-            rid = f"{row.row}:{i}"
+            rid = f"{self.rows_seen}:{i}"
             sample_params = params.replace(n=1, seed=sample_seed(params, base_seed, row.row, i))
             try:
                 self.engine.add_request(rid, token_ids, sample_params)
             except ValueError as e:
-                self.writer.add(error_record(row, f"{row.where}: {e}", len(token_ids), i))
+                self._write(row, error_record(row, f"{row.where}: {e}", len(token_ids), i))
                 self.tracker.on_sample(None)
                 group.failed = True
                 group.remaining -= 1
                 continue
             self.inflight[rid] = _Flight(row, i, group)
         if group.remaining == 0:
-            self.tracker.on_row_done(failed=True)
+            self._row_done(row, failed=True)
 
     def _params(self, overrides: dict[str, Any]) -> SamplingParams | str:
         """The row's SamplingParams, or the reason they are invalid. Rows mostly repeat the
@@ -278,30 +297,46 @@ class GenerationLoop:
         """A whole row failed before reaching the engine: one error row (sample 0), unless an
         earlier run already wrote it."""
         if row_key(row.id, 0) in self.done:
-            self.tracker.on_row_resumed()
+            self._row_resumed(row)
             return
-        self.writer.add(error_record(row, message, prompt_tokens))
+        self._write(row, error_record(row, message, prompt_tokens))
         self.tracker.on_sample(None)
-        self.tracker.on_row_done(failed=True)
+        self._row_done(row, failed=True)
+
+    # ---- where rows end: a subclass may send them elsewhere (cbgen.ray.worker) ---------------
+    def _write(self, row: InputRow, record: dict[str, Any]) -> None:
+        """One output row (a sample of `row`) is final."""
+        self.writer.add(record)
+
+    def _row_done(self, row: InputRow, failed: bool) -> None:
+        """Every sample of `row` is written."""
+        self.tracker.on_row_done(failed=failed)
+
+    def _row_resumed(self, row: InputRow) -> None:
+        """`row` was written by an earlier run."""
+        self.tracker.on_row_resumed()
 
     # ---- results -------------------------------------------------------------------------
     def _finish(self, out: RequestOutput) -> None:
         flight = self.inflight.pop(out.request_id)
         if out.finish_reason in ("stop", "length"):
-            self.writer.add(ok_record(flight.row, flight.sample_index, out, self.reasoning_tags))
+            self._write(
+                flight.row, ok_record(flight.row, flight.sample_index, out, self.reasoning_tags)
+            )
             self.tracker.on_sample(out)
         else:
             message = out.error or f"the engine ended the request with {out.finish_reason!r}"
-            self.writer.add(
+            self._write(
+                flight.row,
                 error_record(
                     flight.row,
                     f"{flight.row.where}: {message}",
                     out.num_prompt_tokens,
                     flight.sample_index,
-                )
+                ),
             )
             self.tracker.on_sample(None)
             flight.group.failed = True
         flight.group.remaining -= 1
         if flight.group.remaining == 0:
-            self.tracker.on_row_done(failed=flight.group.failed)
+            self._row_done(flight.row, failed=flight.group.failed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 from cbgen.display import ProgressSnapshot
@@ -59,6 +60,14 @@ class ProgressTracker:
             self.prompt_tokens += out.num_prompt_tokens
             self.cached_tokens += out.num_cached_tokens
             self.completion_tokens += out.num_output_tokens
+
+    def on_record(self, record: Mapping[str, Any]) -> None:
+        """An output row another process's engine made (a Ray actor): counted as on_sample."""
+        self.samples_written += 1
+        if record["finish_reason"] != "error":
+            self.prompt_tokens += record["prompt_tokens"] or 0
+            self.cached_tokens += record["cached_tokens"] or 0
+            self.completion_tokens += record["completion_tokens"] or 0
 
     def on_row_done(self, failed: bool) -> None:
         self.rows_done += 1
