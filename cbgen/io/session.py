@@ -3,7 +3,8 @@ fold the finished rows into the final file, write the summary, pick the exit cod
 
     prepare output ─ lock it ─ open input ─ check earlier results and their settings
     ─┬─ generate_part (one engine)
-     └─ run_data_parallel (N engines)
+     ├─ run_data_parallel (N engines)
+     └─ or the caller's Generate (cbgen.ray: engines on a Ray cluster)
     ─ interrupted? message, exit 128+signal, rerun resumes
     ─ worker failed / disk full? message, exit 1, rerun resumes
     ─ finalize (atomic) ─ summary JSON ─ exit 0, or 3 when too many rows failed
@@ -16,6 +17,7 @@ import ctypes.util
 import gc
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -41,6 +43,11 @@ EXIT_LOCKED = 4
 EXIT_SETTINGS = 5
 
 
+Generate = Callable[[RunPlan, Display, StopFlag], PartResult]
+"""Another way to generate the plan's rows into its staging folder (cbgen.ray: engines on a Ray
+cluster fed by this process); it raises FatalError when it cannot finish."""
+
+
 class FatalError(Exception):
     """Ends the run with a one-line message and exit code 1, no traceback."""
 
@@ -59,9 +66,13 @@ def release_memory() -> None:
         trim(0)
 
 
-def execute(plan: RunPlan, display: Display, stop: StopFlag) -> int:
+def execute(
+    plan: RunPlan, display: Display, stop: StopFlag, generate: Generate | None = None
+) -> int:
     """Run to the end and return the exit code. FatalError, InputError, OutputError,
-    OutputLockedError and SettingsMismatchError propagate."""
+    OutputLockedError and SettingsMismatchError propagate. `generate`, when given, makes the
+    rows instead of this process's engine (or workers); the lock, the resume checks, the final
+    file and the summary stay this function's."""
     if plan.data_parallel_size > 1 and plan.input_path == STDIN:
         raise InputError("--data-parallel-size needs an input file: workers cannot share stdin")
     source: InputSource = open_source(plan.input_path, plan.columns)
@@ -79,13 +90,18 @@ def execute(plan: RunPlan, display: Display, stop: StopFlag) -> int:
             "a second run on the same output would not be stopped"
         )
     try:
-        return _locked_run(plan, layout, schema, display, stop)
+        return _locked_run(plan, layout, schema, display, stop, generate)
     finally:
         lock.release()
 
 
 def _locked_run(
-    plan: RunPlan, layout: OutputLayout, schema: pa.Schema, display: Display, stop: StopFlag
+    plan: RunPlan,
+    layout: OutputLayout,
+    schema: pa.Schema,
+    display: Display,
+    stop: StopFlag,
+    generate: Generate | None,
 ) -> int:
     t0 = time.perf_counter()
     layout.drop_stale_temps()
@@ -120,7 +136,9 @@ def _locked_run(
     if layout.final.exists() or layout.has_partial_results():
         display.message(f"resuming: rows already in {layout.final} or {layout.staging} are skipped")
 
-    if plan.data_parallel_size > 1:
+    if generate is not None:
+        result, failures = generate(plan, display, stop), []
+    elif plan.data_parallel_size > 1:
         result, failures = run_data_parallel(plan, display, stop)
     else:
         result, failures = _single(plan, layout, display, stop), []
