@@ -43,6 +43,8 @@ class ProgressSnapshot:
     cached_tokens: int
     """... of which served from the prefix cache."""
     completion_tokens: int
+    engines: int = 1
+    """Engines whose figures these are (data-parallel workers, engines on a Ray cluster)."""
 
     @property
     def kv_usage(self) -> float:
@@ -61,12 +63,12 @@ class ProgressSnapshot:
     @classmethod
     def empty(cls, max_num_seqs: int = 0, rows_total: int | None = None) -> ProgressSnapshot:
         values: dict[str, Any] = {f.name: 0 for f in fields(cls)}
-        values.update(elapsed_s=0.0, rows_per_s=0.0, prefill_tok_s=0.0, decode_tok_s=0.0)
+        values.update(elapsed_s=0.0, rows_per_s=0.0, prefill_tok_s=0.0, decode_tok_s=0.0, engines=1)
         return cls(**{**values, "max_num_seqs": max_num_seqs, "rows_total": rows_total})
 
     @classmethod
     def combine(cls, snaps: Sequence[ProgressSnapshot], elapsed_s: float) -> ProgressSnapshot:
-        """Several engines (data parallel) as one: counts, slots and rates add up."""
+        """Several engines (data parallel) as one: counts, slots, rates and engines add up."""
         totals = [s.rows_total for s in snaps]
         summed = {
             f.name: sum(getattr(s, f.name) for s in snaps)
@@ -111,8 +113,13 @@ def format_status(snap: ProgressSnapshot) -> str:
         f"ETA {format_duration(snap.eta_s)} | slots {snap.running}/{snap.max_num_seqs} "
         f"waiting {snap.waiting} | kv {100 * snap.kv_usage:.1f}% | preemptions {snap.preemptions} | "
         f"prefill {snap.prefill_tok_s:.0f} tok/s decode {snap.decode_tok_s:.0f} tok/s | "
-        f"cache hit {100 * snap.cache_hit_rate:.1f}%"
+        f"cache hit {100 * snap.cache_hit_rate:.1f}%{_engines(snap, ' | ')}"
     )
+
+
+def _engines(snap: ProgressSnapshot, before: str = "") -> str:
+    """'engines N' where a run has other than one (several workers, a Ray cluster)."""
+    return f"{before}engines {snap.engines}" if snap.engines != 1 else ""
 
 
 class Display:
@@ -221,7 +228,7 @@ class LiveDisplay(Display):
         stats.add_row(
             f"elapsed {format_duration(snap.elapsed_s)}",
             f"resumed {snap.rows_resumed}",
-            "",
+            _engines(snap),
             "",
         )
         return Group(head, stats)
