@@ -136,8 +136,9 @@ def _locked_run(
     if layout.final.exists() or layout.has_partial_results():
         display.message(f"resuming: rows already in {layout.final} or {layout.staging} are skipped")
 
+    failures: list[str] = []
     if generate is not None:
-        result, failures = generate(plan, display, stop), []
+        result = generate(plan, display, stop)
     elif plan.data_parallel_size > 1:
         result, failures = run_data_parallel(plan, display, stop)
     else:
