@@ -364,6 +364,7 @@ SIGNATURES: dict[str, Signature] = {
     "cbgen_q_pack": (_int, [_int, _p, _i64, _i64, _p]),
     "cbgen_q8_quantize": (None, [_p, _i64, _i64, _p, _p, _p, _p]),
     "cbgen_q_gemm": (_int, [_i64, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64]),
+    "cbgen_q_rows": (_int, [_int, _p, _i64, _i64, _p, _i64, _p]),
     "cbgen_bf16_native": (_i64, []),
     "cbgen_panel_k_bf16": (_i64, [_i64]),
     "cbgen_pack_panels_bf16": (None, [_p, _i64, _i64, _p]),

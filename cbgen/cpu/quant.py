@@ -145,6 +145,21 @@ class PackedWeight:
         )
         return None if rc else y
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids (int64, any shape) of a one-segment weight dequantized: float32 [*ids.shape,
+        k], the gguf package's values bit for bit (an embedding kept in its blocks)."""
+        if len(self.segments) != 1:
+            raise ValueError("rows: a weight of one segment")
+        type_id, packed, n = self.segments[0]
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), self.k, dtype=torch.float32)
+        rc = self._lib.cbgen_q_rows(
+            type_id, packed.data_ptr(), n, self.k, flat.data_ptr(), flat.numel(), out.data_ptr()
+        )
+        if rc:
+            raise IndexError(f"rows: ids outside [0, {n})")
+        return out.reshape(*ids.shape, self.k)
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % QK:

@@ -26,7 +26,7 @@ from cbgen.attention import get_attention_backend
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.engine.cuda_graphs import capture_sizes, graphs_unavailable
 from cbgen.engine.detokenize import Detokenizer
-from cbgen.engine.memory import plan_cpu_weights
+from cbgen.engine.memory import check_quantized_memory, plan_cpu_weights
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
 from cbgen.engine.prompts import Prompts
 from cbgen.engine.request import Request, RequestStatus
@@ -46,6 +46,7 @@ from cbgen.engine.startup import (
 from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
 from cbgen.engine.structured import Grammars, GrammarState, reasoning_open
 from cbgen.models.base import CausalLM
+from cbgen.models.gguf_model import gguf_resident_bytes
 from cbgen.models.loader import load_model, load_model_config, stored_weight_dtype
 from cbgen.models.source import resolve_model
 from cbgen.models.tokenizer import load_tokenizer
@@ -125,12 +126,17 @@ class Engine:
                 raise ValueError("share_weights_with: the other engine has a shorter max_model_len")
             if other.cpu_bf16 != self.cpu_bf16:
                 raise ValueError("share_weights_with: the other engine runs bfloat16 otherwise")
+            if other.keep_quantized() != self.keep_quantized():
+                raise ValueError("share_weights_with: the other engine dequantizes otherwise")
             self.tokenizer, self.model = other.tokenizer, other.model
             self.weight_dtype = other.weight_dtype
             self.runtime = other.runtime
             self.runtime.use_threads(config.num_threads)
         else:
-            if self.device.type == "cpu":
+            if self.device.type == "cpu" and self.keep_quantized():
+                need = gguf_resident_bytes(self.source.path, self.keep_quantized())
+                check_quantized_memory(need, self.source.name)
+            elif self.device.type == "cpu":
                 kept = "bfloat16" if self.cpu_bf16 is not None else config.cpu_weight_dtype
                 self.weight_dtype = plan_cpu_weights(mc, self.dtype, kept, stored, self.source.name)
             self.tokenizer = load_tokenizer(self.source)
@@ -239,10 +245,16 @@ class Engine:
         return f"CUDA graphs at batch sizes {graphs.sizes[0]}-{graphs.sizes[-1]} ({len(graphs)})"
 
     def keep_quantized(self) -> frozenset[int]:
-        """The ggml types a GGUF file's linear tensors stay in (run in their blocks by the
-        runtime): none with --dequantize, on other devices, or where torch's own bf16/fp16
-        runs the model."""
-        if self.source.kind != "gguf" or self.config.dequantize or self.dtype != torch.float32:
+        """The ggml types a GGUF file's linear tensors, embedding and LM head stay in (run in
+        their blocks by the runtime): none with --dequantize, on other devices, under
+        --dtype bfloat16 (the file dequantized into bf16), or where torch's own bf16/fp16 runs
+        the model."""
+        if (
+            self.source.kind != "gguf"
+            or self.config.dequantize
+            or self.dtype != torch.float32
+            or self.cpu_bf16 is not None
+        ):
             return frozenset()
         return quantized_types(self.device)
 

@@ -173,3 +173,16 @@ def plan_cpu_weights(
         f"{_dtype_name(stored)} weights kept as stored, and {_size(available)} is available: "
         "use a smaller model or a machine with more memory"
     )
+
+
+def check_quantized_memory(need: int, name: str) -> None:
+    """A GGUF file run in its blocks: ValueError when its weights (`need` bytes: the file's
+    quantized tensors as the kernels hold them, the rest in float32 with their packed copies,
+    cbgen.models.gguf_model.gguf_resident_bytes) cannot fit in what is available."""
+    available = available_memory()
+    if need > available:
+        raise ValueError(
+            f"model {name} needs about {_size(need)} of memory on the CPU with its quantized "
+            f"weights in their blocks, and {_size(available)} is available: use a smaller "
+            "model or a machine with more memory"
+        )

@@ -24,7 +24,12 @@ from torch import nn
 from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.models.config import ModelConfig
 from cbgen.models.ops import TORCH_OPS, Ops, rms_norm
-from cbgen.models.quantized import DequantizingLinear, QuantizedWeight, QuantSegment
+from cbgen.models.quantized import (
+    DequantizingLinear,
+    QuantizedEmbedding,
+    QuantizedWeight,
+    QuantSegment,
+)
 from cbgen.models.rope import RotaryEmbedding
 
 
@@ -176,7 +181,9 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | QuantizedEmbedding = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size
+        )
         self.layers = nn.ModuleList(self.make_layer(cfg, n) for n in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
@@ -292,7 +299,10 @@ class CausalLM(nn.Module):
         }
         modules = dict(self.named_modules())
         by_layer: dict[str, list[tuple[str, QuantSegment]]] = {}
+        attached = self._attach_quantized_embedding(segments)
         for name, seg in segments.items():
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                continue
             name = name.removeprefix("model.").removesuffix(".weight")
             target = name
             for fused, names in parts.items():
@@ -300,7 +310,6 @@ class CausalLM(nn.Module):
                     if name.endswith("." + part):
                         target = name[: -len(part)] + fused
             by_layer.setdefault(target, []).append((name, seg))
-        attached: set[str] = set()
         for target, named in by_layer.items():
             layer = modules.get(target)
             if not isinstance(layer, Linear):
@@ -319,6 +328,31 @@ class CausalLM(nn.Module):
             layer.method = DequantizingLinear(weight)
             layer.weight.data = layer.weight.data.new_empty(0)
             attached |= {name + ".weight" for name, _ in named}
+        return attached
+
+    def _attach_quantized_embedding(self, segments: dict[str, QuantSegment]) -> set[str]:
+        """The token embedding and the LM head kept in their blocks (attach_quantized): the
+        embedding as a QuantizedEmbedding, the head (its own tensor, or the embedding's when
+        tied) under DequantizingLinear; the float storage freed."""
+        cfg = self.config
+        attached: set[str] = set()
+        embed = segments.get("embed_tokens.weight")
+        if embed is not None:
+            if tuple(embed.blocks.shape[:1]) != (cfg.vocab_size,):
+                raise ValueError(
+                    f"embed_tokens: quantized rows {embed.rows}, expected {cfg.vocab_size}"
+                )
+            self.embed_tokens = QuantizedEmbedding(embed, cfg.hidden_size)
+            attached.add("embed_tokens.weight")
+            if cfg.tie_word_embeddings:
+                self.head_method = DequantizingLinear(QuantizedWeight(cfg.hidden_size, [embed]))
+        head = segments.get("lm_head.weight")
+        if head is not None and not cfg.tie_word_embeddings:
+            if head.rows != cfg.vocab_size:
+                raise ValueError(f"lm_head: quantized rows {head.rows}, expected {cfg.vocab_size}")
+            self.head_method = DequantizingLinear(QuantizedWeight(cfg.hidden_size, [head]))
+            self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
+            attached.add("lm_head_weight")
         return attached
 
     def expected_weight_names(self) -> set[str]:

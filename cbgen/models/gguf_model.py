@@ -5,6 +5,7 @@ checkpoints (Llama's q/k rows un-interleaved). The file itself is read by cbgen.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -140,10 +141,44 @@ def _is_linear(name: str) -> bool:
     return parts[0] == "blk" and len(parts) == 4 and parts[2] in _LINEAR and parts[3] == "weight"
 
 
+_EMBEDDING = ("token_embd.weight", "output.weight")
+"""The token embedding and the LM head: kept in their blocks with the linear tensors."""
+
+
 def kept_quantized(reader: GGUFFile, keep: frozenset[int]) -> list[Any]:
-    """The linear tensors whose types are in keep (ggml type ids a runtime runs in their
-    blocks): they load as QuantSegments (quantized_segments), the rest dequantized."""
-    return [t for t in reader.tensors if _is_linear(t.name) and t.tensor_type in keep]
+    """The linear tensors, the embedding and the LM head whose types are in keep (ggml type
+    ids a runtime runs in their blocks): they load as QuantSegments (quantized_segments), the
+    rest dequantized."""
+    return [
+        t
+        for t in reader.tensors
+        if (_is_linear(t.name) or t.name in _EMBEDDING) and t.tensor_type in keep
+    ]
+
+
+PACKED_OVERHEAD = 148 / 144
+"""The most a kept tensor's packed blocks take over its file bytes (Q4_K: the 6-bit scales
+unpacked to bytes; cbgen/cpu/csrc/qgemm.c)."""
+
+
+def gguf_resident_bytes(path: str, keep: frozenset[int]) -> int:
+    """What a GGUF model's weights take on the CPU with the types in keep run in their
+    blocks: those tensors' file bytes (packed: at most PACKED_OVERHEAD more), the others
+    dequantized to float32, a linear one (or the head) with its two packed copies."""
+    reader = gguf_reader(path)
+    kept = {t.name for t in kept_quantized(reader, keep)}
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    total = 0.0
+    for t in reader.tensors:
+        if t.name in kept:
+            total += t.data.nbytes * PACKED_OVERHEAD
+            continue
+        floats = 4 * math.prod(t.shape)
+        copies = 3 if _is_linear(t.name) or t.name == "output.weight" else 1
+        if t.name == "token_embd.weight" and tied:
+            copies = 3  # the head's packed copies beside the embedding
+        total += floats * copies
+    return int(total)
 
 
 def quantized_segments(

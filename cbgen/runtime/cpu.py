@@ -35,7 +35,7 @@ from cbgen.runtime.base import Runtime
 from cbgen.runtime.cpu_decoder import NativeDecoder
 from cbgen.runtime.cpu_linear import CpuThresholds, PackedBf16Linear, PackedF32Linear
 from cbgen.runtime.cpu_ops import CpuOps
-from cbgen.runtime.cpu_quant import QuantLinear, pack_quantized
+from cbgen.runtime.cpu_quant import QuantLinear, pack_quantized, pack_quantized_embedding
 
 
 class CpuRuntime(Runtime):
@@ -77,6 +77,8 @@ class CpuRuntime(Runtime):
     def describe(self) -> str:
         status = native_status() + ("" if self.tuning is None else f", {self.tuning.describe()}")
         head = "float32" if self.exact_head is None else self.exact_head.DESCRIPTION
+        if isinstance(self.model.head_method, QuantLinear):
+            head = "in its GGUF blocks"
         steps = (
             "layer by layer"
             if self.decoder is None
@@ -111,6 +113,9 @@ def prepare(
     if native:
         model.ops = CpuOps()
         runtime.quantized = pack_quantized(model.linear_layers())
+        for key, n in pack_quantized_embedding(model).items():
+            runtime.quantized[key] = runtime.quantized.get(key, 0) + n
+    quantized_head = isinstance(model.head_method, QuantLinear)
     if model.head_weight.dtype == torch.bfloat16 and native:
         _pack_bf16(model, bf16_dot)
         runtime.decoder = NativeDecoder.for_model(model, thresholds)
@@ -121,8 +126,9 @@ def prepare(
     for layer in model.linear_layers():
         if not isinstance(layer.method, QuantLinear):
             layer.method = PackedF32Linear.pack(layer.weight.data, onednn, native, thresholds)
-    model.head_method = PackedF32Linear.pack(model.head_weight.data, onednn, native, thresholds)
-    if native and model.exact_head_allowed:
+    if not quantized_head:
+        model.head_method = PackedF32Linear.pack(model.head_weight.data, onednn, native, thresholds)
+    if native and model.exact_head_allowed and not quantized_head:
         if bf16_matmul_fast():
             runtime.exact_head = Bf16Head(model.head_weight.data)
         elif tuned is not None and tuned.int16_head:

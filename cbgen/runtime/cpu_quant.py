@@ -7,10 +7,11 @@ as llama.cpp runs them.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from cbgen.cpu import quant
-from cbgen.models.base import Linear
-from cbgen.models.quantized import DequantizingLinear, QuantizedWeight
+from cbgen.models.base import TORCH_LINEAR, CausalLM, Linear
+from cbgen.models.quantized import DequantizingLinear, QuantizedEmbedding, QuantizedWeight
 
 
 def quantized_types() -> frozenset[int]:
@@ -74,6 +75,44 @@ def pack_quantized(model_layers: list[Linear]) -> dict[str, int]:
         for seg in method.weight.segments:
             key = f"dequantized {_type_name(seg.type_id)}"
             counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def pack_quantized_embedding(model: CausalLM) -> dict[str, int]:
+    """The token embedding and the LM head kept in their blocks, packed: the embedding's rows
+    read from the panels (cbgen_q_rows), and a tied head multiplying by the same panels, so
+    the vocabulary's weights are held once; where the shape has no kernel, dequantized to
+    float (the float head is then packed as any other). Counts as pack_quantized's."""
+    counts: dict[str, int] = {}
+
+    def count(type_id: int, ran: bool) -> None:
+        key = _type_name(type_id) if ran else f"dequantized {_type_name(type_id)}"
+        counts[key] = counts.get(key, 0) + 1
+
+    tied = model.config.tie_word_embeddings
+    embed = model.embed_tokens
+    if isinstance(embed, QuantizedEmbedding) and embed.segment is not None:
+        seg = embed.segment
+        method = QuantLinear.pack(QuantizedWeight(embed.hidden, [seg]))
+        if method is None:
+            model.embed_tokens = nn.Embedding.from_pretrained(seg.dequantize(), freeze=True)
+            if tied:
+                model.head_method = TORCH_LINEAR
+        else:
+            embed.rows = method.packed.rows
+            embed.segment = None
+            if tied:
+                model.head_method = method
+        count(seg.type_id, method is not None)
+    head = model.head_method
+    if not tied and isinstance(head, DequantizingLinear):
+        method = QuantLinear.pack(head.weight)
+        if method is None:
+            model.lm_head_weight.data = head.weight.dequantize()
+            model.head_method = TORCH_LINEAR
+        else:
+            model.head_method = method
+        count(head.weight.segments[0].type_id, method is not None)
     return counts
 
 

@@ -80,6 +80,8 @@ void cbgen_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d
                        int32_t *l);
 int cbgen_q_gemm(int64_t nseg, const int64_t *types, const int64_t *weights, const int64_t *ns,
                  const float *x, int64_t M, int64_t K, const float *bias, float *y, int64_t ref);
+int cbgen_q_rows(int type, const uint8_t *wp, int64_t N, int64_t K, const int64_t *ids,
+                 int64_t n, float *out);
 
 /* activation.c: the gated MLP's activation over a gate-up product */
 void cbgen_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);

@@ -624,3 +624,38 @@ int cbgen_q_gemm(int64_t nseg, const int64_t *types, const int64_t *weights, con
     }
     return 0;
 }
+
+/* Rows `ids` (n of them) of a packed weight [N, K] dequantized into out [n, K]: an embedding
+ * kept in its blocks, as the float path holds it (scale (q - offset), + m or - dmin m_j: the
+ * gguf package's values, bit for bit). 0; -1: a type, shape or id this does not take. */
+int cbgen_q_rows(int type, const uint8_t *wp, int64_t N, int64_t K, const int64_t *ids,
+                 int64_t n, float *out) {
+    qtype t;
+    if (cbgen_q_packed_bytes(type, N, K) < 0 || !qtype_of(type, &t)) return -1;
+    for (int64_t r = 0; r < n; ++r)
+        if (ids[r] < 0 || ids[r] >= N) return -1;
+    const int64_t SB = K / t.super, sbb = super_bytes(&t), hb = header_bytes(&t);
+    const int64_t gb = group_bytes(&t);
+    const int groups = t.super / QK, per = QK / t.sub;
+#pragma omp parallel for schedule(static) if (n * K >= 65536)
+    for (int64_t r = 0; r < n; ++r) {
+        const int64_t p = ids[r] / QCOLS;
+        const int j = (int)(ids[r] % QCOLS);
+        float *o = out + r * K;
+        for (int64_t s = 0; s < SB; ++s) {
+            const uint8_t *hdr = wp + (p * SB + s) * sbb;
+            for (int g = 0; g < groups; ++g) {
+                const uint8_t *q = hdr + hb + g * gb;
+                const float mv = t.min ? sub_min(&t, hdr, g, j) : 0.0f;
+                for (int k = 0; k < QK; ++k) {
+                    const float sc = sub_scale(&t, hdr, g * per + k / t.sub, j);
+                    float v = sc * (float)(stored(&t, q, j, k) - t.off);
+                    if (t.min == 1) v = v + mv;
+                    else if (t.min == 2) v = v - mv;
+                    o[(s * groups + g) * QK + k] = v;
+                }
+            }
+        }
+    }
+    return 0;
+}
