@@ -7,6 +7,8 @@ gives the scalar reference's bits.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from cbgen.cpu.build import load_library
@@ -85,6 +87,21 @@ def quantize_rows(
     return q, d, s, low
 
 
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+class QWeight(ctypes.Structure):
+    """csrc/cbgen.h's cbgen_qweight: a PackedWeight's segments as the one-call decoder reads
+    them (decoder.c, weights 3)."""
+
+    _fields_ = [
+        ("nseg", ctypes.c_int64),
+        ("types", _I64P),
+        ("weights", _I64P),
+        ("rows", _I64P),
+    ]
+
+
 class PackedWeight:
     """A weight for q_gemm: segments side by side, each (type id, bytes packed by pack, rows),
     as a fused layer's parts (q, k, v; gate, up) come in their own types; x is quantized once
@@ -109,6 +126,9 @@ class PackedWeight:
             [[t, p.data_ptr(), rows] for t, p, rows in segments], dtype=torch.int64
         ).T.contiguous()
         """Per segment: type ids, the packed bytes' addresses, rows (the C call's arrays)."""
+        table = [ctypes.cast(row.data_ptr(), _I64P) for row in self._table]
+        self.descriptor = QWeight(len(segments), *table)
+        """The segments for the one-call decoder (it points into _table)."""
 
     @property
     def types(self) -> list[int]:

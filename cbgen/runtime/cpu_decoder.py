@@ -8,13 +8,14 @@ makes the same calls, in the same order, on the same kinds of buffers, from C: t
 states are bit for bit the Python path's (tests/runtime/test_native_decoder.py). It serves the steps
 whose every token the attention's C decode kernel takes (decodes, and prompt chunks small
 enough for it) and whose matmuls all go to small_gemm (the runtime's
-CpuThresholds.small_gemm_max_rows); any other step, and a step a kernel refuses, runs the Python
-path.
+CpuThresholds.small_gemm_max_rows; a GGUF model's blocks take any rows); any other step, and a
+step a kernel refuses, runs the Python path.
 
 Which models: the plain Llama layer (LlamaForCausalLM with its MLP; Llama, Mistral, Qwen2 with its QKV
 bias, Qwen3 with its q/k norms, SmolLM2, Phi-3 without partial rotary) and Gemma 2 / 3's (norms
 after each block, GeGLU, soft-capped scores, local RoPE tables), float32 weights with
-small_gemm panels. Not mixtures of experts or partial rotary: they keep the Python path.
+small_gemm panels, bf16 panels, or a GGUF file's blocks (every matmul through cbgen_q_gemm).
+Not mixtures of experts or partial rotary: they keep the Python path.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cbgen.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
 from cbgen.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from cbgen.runtime.cpu_linear import CpuThresholds, PackedBf16Linear, PackedF32Linear
 from cbgen.runtime.cpu_ops import CpuOps
+from cbgen.runtime.cpu_quant import QuantLinear
 
 _P = ctypes.c_void_p
 
@@ -237,9 +239,9 @@ class NativeDecoder:
         # every tensor the structs point into stays referenced as long as they do
         pinned: list[torch.Tensor] = []
 
-        def ptr(t: torch.Tensor | None) -> int | None:
-            if t is None:
-                return None
+        def ptr(t: torch.Tensor | int | None) -> int | None:
+            if t is None or isinstance(t, int):
+                return t  # an address the model's methods keep alive (a cbgen_qweight)
             pinned.append(t)
             return t.data_ptr()
 
@@ -304,7 +306,7 @@ class NativeDecoder:
         if (
             not isinstance(plan, CpuPlan)
             or t == 0
-            or t > self.thresholds.small_gemm_max_rows
+            or (t > self.thresholds.small_gemm_max_rows and self.weights != 3)
             or plan.native.tokens.shape[0] != t  # then token i is the kernel's row i
             or positions.dtype != torch.int64
             or meta.slot_mapping.dtype != torch.int64
@@ -345,11 +347,14 @@ class NativeDecoder:
         return out
 
 
-def _panels(linear: Linear) -> torch.Tensor | None:
-    """The panels of a layer whose method holds them (small_gemm's or small_gemm_bf16's)."""
+def _panels(linear: Linear) -> torch.Tensor | int | None:
+    """The panels of a layer whose method holds them (small_gemm's or small_gemm_bf16's), or
+    the address of a quantized weight's cbgen_qweight."""
     method = linear.method
     if isinstance(method, PackedF32Linear):
         return method.panels
+    if isinstance(method, QuantLinear):
+        return ctypes.addressof(method.packed.descriptor)
     return method.panels if isinstance(method, PackedBf16Linear) else None
 
 
@@ -362,4 +367,4 @@ def _weights(linear: Linear) -> int | None:
         return 0 if ok else None
     if isinstance(method, PackedBf16Linear):
         return 2 if method.dot else 1
-    return None
+    return 3 if isinstance(method, QuantLinear) else None

@@ -63,6 +63,9 @@ def test_the_decoder_structs_agree_with_the_header() -> None:
     check_struct(
         header, "cbgen_decoder_f32", _decoder_module()._Decoder
     )  # its layer: POINTER(_Layer)
+    from cbgen.cpu.quant import QWeight
+
+    check_struct(header, "cbgen_qweight", QWeight)  # a quantized layer's, for the decoder
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from cbgen.models.quantized import (
     QuantizedWeight,
     QuantSegment,
 )
+from cbgen.runtime.cpu import CpuRuntime
 from cbgen.runtime.cpu_quant import QuantLinear
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (a test dependency) is not installed")
@@ -415,3 +416,32 @@ def test_resuming_with_the_other_choice_is_refused(tmp_path: Path) -> None:
     changed = run([*args, "--dequantize"])
     assert changed.returncode == 5, changed.stderr + changed.stdout
     assert "--dequantize" in changed.stderr
+
+
+def test_the_one_call_decoder_serves_a_quantized_model_with_the_python_forwards_states(
+    tmp_path: Path,
+) -> None:
+    """Every matmul in its blocks from C (decoder.c, weights 3): the hidden states are the
+    layer-by-layer path's, bit for bit, on decodes and prompt chunks alike."""
+    path = write_tiny_gguf(tmp_path / "tiny-Q4_K.gguf", "Q4_K")
+    engine = _engine(path, max_num_batched_tokens=16)
+    runtime = engine.runtime
+    assert isinstance(runtime, CpuRuntime) and runtime.decoder is not None
+    native, model, backend = runtime.decoder, engine.model, engine.backend
+    served: list[int] = []
+
+    def checked(input_ids: Any, positions: Any, kv_caches: Any, meta: Any) -> Any:
+        got = native(input_ids, positions, kv_caches, meta)
+        if got is not None:
+            want = model.forward_layers(input_ids, positions, kv_caches, meta, backend)
+            assert torch.equal(got, want)
+            served.append(input_ids.shape[0])
+        return got
+
+    runtime.decoder = checked  # type: ignore[assignment]
+    rng = np.random.default_rng(7)
+    seqs = [rng.integers(3, CONFIG["vocab"], n).tolist() for n in (9, 30, 4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = LLM(engine=engine).generate(seqs, params)
+    assert all(len(o.output_token_ids) == 8 for o in outs)
+    assert len(served) > 5 and max(served) > 1

@@ -113,6 +113,13 @@ int cbgen_sample_f32(const float *logits, int64_t B, int64_t V, int64_t ld,
 /* decoder.c: a decode step's layers in one call. The two structs are mirrored field for field
  * by NativeDecoder's ctypes Structures (tests/cpu/test_c_header.py compares them). */
 
+/* A weight in GGUF blocks (cbgen_decoder_f32.weights 3): its segments as cbgen_q_gemm takes
+ * them (a fused layer's parts, each in its type), mirrored by cbgen.cpu.quant.PackedWeight. */
+typedef struct {
+    int64_t nseg;
+    const int64_t *types, *weights, *rows; /* [nseg]: type ids, packed bytes' addresses, rows */
+} cbgen_qweight;
+
 /* One layer's weights (small_gemm's panels) and its cache. */
 typedef struct {
     const float *input_norm, *post_norm;     /* [H] */
@@ -130,7 +137,8 @@ typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, num_slots;
     int64_t gemma;             /* Gemma's layers: norms after each block, GeGLU */
     int64_t blocked_rows;      /* small_gemm's row blocks from this many rows on (<= 0: default) */
-    int64_t weights;           /* the panels: 0 float32, 1 bf16 widened, 2 bf16 dot products */
+    int64_t weights;           /* the panels: 0 float32, 1 bf16 widened, 2 bf16 dot products,
+                                  3 GGUF blocks (the layers' pointers are cbgen_qweights) */
     int64_t kv_bf16;           /* the caches hold bf16 (cast from the layers' float pointers) */
     float eps, scale, softcap; /* softcap 0: none */
     const float *final_norm;   /* [H] */

@@ -34,13 +34,17 @@
  * matmul's tiles from small_gemm's row blocks on, else the product gu [T, 2I] and then the
  * activation pass (the same bits either way). */
 /* y [T, N] = x [T, K] @ W^T (+ bias) through the matmul the model's weights are packed for:
- * float32 panels (weights 0), bf16 panels widened (1) or with bf16 dot products (2). 0, or
- * small_gemm_bf16's code. */
+ * float32 panels (weights 0), bf16 panels widened (1) or with bf16 dot products (2), or GGUF
+ * blocks (3: w is a cbgen_qweight). 0, or small_gemm_bf16's or cbgen_q_gemm's code. */
 static int matmul(const cbgen_decoder_f32 *m, const float *x, int64_t T, int64_t K,
                   const float *w, int64_t N, const float *bias, int64_t blocked, float *y) {
     if (m->weights == 0) {
         cbgen_small_gemm_f32(x, T, K, w, N, bias, blocked, y);
         return 0;
+    }
+    if (m->weights == 3) {
+        const cbgen_qweight *q = (const cbgen_qweight *)(const void *)w;
+        return cbgen_q_gemm(q->nseg, q->types, q->weights, q->rows, x, T, K, bias, y, 0);
     }
     return cbgen_small_gemm_bf16(x, T, K, (const uint16_t *)w, N, bias, m->weights == 2, y);
 }
