@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from cbgen.config import EngineConfig, SamplingParams
+from cbgen.io.input_files import edge_digest
 from cbgen.io.rows import ChatDefaults, ColumnSpec
 
 SETTINGS_FILE = "settings.json"
 METADATA_KEY = b"cbgen.settings"
-_EDGE = 1 << 20
 _MODEL_FILES = (
     "config.json",
     "generation_config.json",
@@ -46,14 +46,13 @@ class SettingsMismatchError(Exception):
 
 def file_digest(path: Path) -> str:
     """size:sha256(first MiB + last MiB)."""
-    size = path.stat().st_size
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        h.update(f.read(_EDGE))
-        if size > _EDGE:
-            f.seek(max(_EDGE, size - _EDGE))
-            h.update(f.read(_EDGE))
-    return f"{size}:{h.hexdigest()[:32]}"
+
+        def read_at(offset: int, length: int) -> bytes:
+            f.seek(offset)
+            return f.read(length)
+
+        return edge_digest(path.stat().st_size, read_at)
 
 
 def model_digest(kind: str, path: str) -> str:
@@ -83,9 +82,18 @@ def run_identity(
     model_kind: str,
     model_path: str,
     chat: ChatDefaults | None = None,
+    input_fingerprint: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Every setting that changes what a row's output is, as plain JSON values."""
+    """Every setting that changes what a row's output is, as plain JSON values.
+    input_fingerprint: the input's (name, digest) from its source (a URL, a prefix of files);
+    None: the local file at input_path."""
     chat = chat or ChatDefaults()
+    if input_fingerprint is None:
+        input_fingerprint = (
+            ("-", "-")
+            if input_path == "-"
+            else (os.path.basename(input_path), file_digest(Path(input_path)))
+        )
     template = chat.template
     return {
         "chat_template": None
@@ -103,8 +111,8 @@ def run_identity(
         "prompt_column": columns.prompt_column,
         "id_column": columns.id_column,
         "keep_columns": list(columns.keep_columns),
-        "input": input_path if input_path == "-" else os.path.basename(input_path),
-        "input_file": "-" if input_path == "-" else file_digest(Path(input_path)),
+        "input": input_fingerprint[0],
+        "input_file": input_fingerprint[1],
     }
 
 
@@ -151,7 +159,9 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return out
 
 
-def check_resume(recorded: dict[str, Any] | None, current: dict[str, Any], where: Path) -> None:
+def check_resume(
+    recorded: dict[str, Any] | None, current: dict[str, Any], where: Path | str
+) -> None:
     """Raise SettingsMismatchError when `recorded` (from `where`) differs from this run."""
     if recorded is None:
         return
@@ -167,12 +177,20 @@ def check_resume(recorded: dict[str, Any] | None, current: dict[str, Any], where
 
 def read_settings(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+        return parse_settings(path.read_bytes())
+    except OSError:
         return None
-    except (OSError, ValueError):
-        return None  # a settings file cut short by a crash: nothing recorded
-    return data if isinstance(data, dict) else None
+
+
+def parse_settings(data: bytes | None) -> dict[str, Any] | None:
+    """A settings record's JSON; None when absent or cut short by a crash (nothing recorded)."""
+    if data is None:
+        return None
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def from_metadata(metadata: dict[bytes, bytes] | None) -> dict[str, Any] | None:

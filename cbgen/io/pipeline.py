@@ -75,10 +75,19 @@ END = object()
 """RowFeed.get: the input has no more rows."""
 
 
+@dataclass(frozen=True)
+class _ReadFailed:
+    """RowFeed's read-ahead thread hit an error: the loop raises it (a cut input must not
+    look like a finished one)."""
+
+    error: BaseException
+
+
 class RowFeed:
     """The loop's view of the input. A file is read in the loop's own thread, one row at a
-    time. Input that may block (stdin) is read ahead by a thread into a bounded queue, so the
-    loop never waits on the input while the engine has work, and memory stays bounded."""
+    time. Input that may block (stdin, a URL) is read ahead by a thread into a bounded queue,
+    so the loop never waits on the input while the engine has work, and memory stays bounded;
+    an error of that thread reaches the loop as the exception it was."""
 
     def __init__(self, rows: Iterator[InputRow], may_block: bool, read_ahead: int = 1024) -> None:
         self.rows = rows
@@ -92,17 +101,22 @@ class RowFeed:
         try:
             for row in self.rows:
                 self.queue.put(row)
-        finally:
-            self.queue.put(END)
+        except BaseException as e:
+            self.queue.put(_ReadFailed(e))
+            return
+        self.queue.put(END)
 
     def get(self, wait: bool) -> Any:
         """The next row, END, or None when no row is ready (waits up to 0.1 s if `wait`)."""
         if self.queue is None:
             return next(self.rows, END)
         try:
-            return self.queue.get(timeout=0.1) if wait else self.queue.get_nowait()
+            item = self.queue.get(timeout=0.1) if wait else self.queue.get_nowait()
         except queue.Empty:
             return None
+        if isinstance(item, _ReadFailed):
+            raise item.error
+        return item
 
 
 @dataclass
