@@ -1,4 +1,6 @@
-"""`cbgen run INPUT [-o OUTPUT] [options]`: JSONL or Parquet in, Parquet out.
+"""`cbgen run INPUT [-o OUTPUT] [options]`: JSONL or Parquet in, Parquet out; either may be a
+URL (s3://, gs://; http(s):// for the input), with --storage-option for what the standard
+environment does not configure.
 
 Engine options map one to one onto EngineConfig fields and sampling options onto
 SamplingParams fields (a row's own fields override them); the defaults shown by --help are
@@ -44,7 +46,8 @@ def run(
     input: Annotated[
         str,
         typer.Argument(
-            help="Prompts: a .jsonl file (- for stdin) or a .parquet file.", show_default=False
+            help="Prompts: a .jsonl file (- for stdin) or a .parquet file; or a URL: s3://, gs:// (one object, or a prefix of Parquet/JSONL files read in name order), http(s):// (e.g. a presigned URL).",
+            show_default=False,
         ),
     ],
     # ---- input and output ----------------------------------------------------------------
@@ -55,9 +58,41 @@ def run(
             "-o",
             rich_help_panel=IO_PANEL,
             show_default="INPUT's stem + .out.parquet beside it",
-            help="Output Parquet file (with --shard: a folder of part files).",
+            help="Output Parquet file (with --shard: a folder of part files); or s3:// / gs:// (ending in /: a folder of parts).",
         ),
     ] = None,
+    storage_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            rich_help_panel=IO_PANEL,
+            show_default="the standard environment (AWS_PROFILE, AWS_ENDPOINT_URL, ...)",
+            help="KEY=VALUE for s3:// and gs:// (repeatable): endpoint_url (MinIO, Ceph), region, access_key, secret_key, session_token, anonymous, ...",
+        ),
+    ] = None,
+    flush_rows: Annotated[
+        int,
+        typer.Option(
+            rich_help_panel=IO_PANEL,
+            min=1,
+            help="s3:// and gs:// outputs: finished rows are uploaded as a part object every this many rows (or --flush-interval); a killed run loses at most that window.",
+        ),
+    ] = 4096,
+    flush_interval: Annotated[
+        float,
+        typer.Option(
+            rich_help_panel=IO_PANEL,
+            min=0.1,
+            help="s3:// and gs:// outputs: seconds between part uploads at most.",
+        ),
+    ] = 15.0,
+    lease_duration: Annotated[
+        float,
+        typer.Option(
+            rich_help_panel=IO_PANEL,
+            min=1.0,
+            help="s3:// and gs:// outputs: seconds the output's lease lasts without renewal (renewed every quarter of it); a run that died holds the output this long.",
+        ),
+    ] = 60.0,
     prompt_column: Annotated[
         str | None,
         typer.Option(
@@ -198,6 +233,7 @@ def run(
     from cbgen.io.export import resolve_format
     from cbgen.io.identity import SettingsMismatchError
     from cbgen.io.lock import OutputLockedError
+    from cbgen.io.outputs import build_output
     from cbgen.io.part import RunPlan
     from cbgen.io.readers import InputError
     from cbgen.io.rows import ColumnSpec
@@ -211,7 +247,8 @@ def run(
     )
     from cbgen.io.shard import RowFilter
     from cbgen.io.stop import StopFlag
-    from cbgen.io.writer import OutputError, OutputLayout
+    from cbgen.io.storage import Storage, StorageError
+    from cbgen.io.writer import OutputError
 
     display = make_display(quiet, log_interval)
     try:
@@ -224,7 +261,18 @@ def run(
         keep = tuple(c.strip() for item in keep_columns or [] for c in item.split(",") if c.strip())
         chat = _chat_defaults(chat_template, chat_template_kwargs)
         fmt = resolve_format(output_format, output)
-        layout = OutputLayout.build(input, output, the_shard, export=fmt != "parquet")
+        storage = Storage.parse(storage_option or [])
+        storage.check([input, output or ""])
+        layout = build_output(
+            input,
+            output,
+            the_shard,
+            fmt != "parquet",
+            storage,
+            flush_rows=flush_rows,
+            flush_interval_s=flush_interval,
+            lease_s=lease_duration,
+        )
     except ValueError as e:
         _fail(str(e), EXIT_USAGE)
     except OutputError as e:
@@ -255,6 +303,7 @@ def run(
         output_format=fmt,
         gpu_ids=_gpu_ids(config, data_parallel_size),
         settings=settings,
+        storage=storage,
     )
     stop_flag = StopFlag()
     restore = stop_flag.install()
@@ -266,7 +315,7 @@ def run(
     except SettingsMismatchError as e:
         display.stop()
         _fail(str(e), EXIT_SETTINGS)
-    except (InputError, OutputError, FatalError, ValueError) as e:
+    except (InputError, OutputError, FatalError, StorageError, ValueError) as e:
         display.stop()
         _fail(str(e), EXIT_FATAL)
     except KeyboardInterrupt:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 FORMATS = ("auto", "parquet", "jsonl", "openai")
@@ -36,14 +37,9 @@ def resolve_format(requested: str, output: str | None) -> str:
 def export(record: Path, target: Path, fmt: str, model: str) -> int:
     """Write `target` from the Parquet file `record`; returns the lines written."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    created = int(time.time())
-    n = 0
     try:
-        with tmp.open("w", encoding="utf-8") as f:
-            for rec in _records(record):
-                line = rec if fmt == "jsonl" else openai_line(rec, model, created)
-                f.write(json.dumps(line, ensure_ascii=False, default=str) + "\n")
-                n += 1
+        with tmp.open("wb") as f:
+            n = write_lines(record, f.write, fmt, model)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -52,7 +48,21 @@ def export(record: Path, target: Path, fmt: str, model: str) -> int:
     return n
 
 
-def _records(path: Path) -> Iterator[dict[str, Any]]:
+def write_lines(
+    record: Path | pa.NativeFile, write: Callable[[bytes], Any], fmt: str, model: str
+) -> int:
+    """The export's lines from the Parquet file `record` (a path or an open file), UTF-8,
+    handed to `write`; returns how many."""
+    created = int(time.time())
+    n = 0
+    for rec in _records(record):
+        line = rec if fmt == "jsonl" else openai_line(rec, model, created)
+        write((json.dumps(line, ensure_ascii=False, default=str) + "\n").encode())
+        n += 1
+    return n
+
+
+def _records(path: Path | pa.NativeFile) -> Iterator[dict[str, Any]]:
     for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
         yield from batch.to_pylist()
 

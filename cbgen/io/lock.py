@@ -70,6 +70,9 @@ class OutputLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
 
+    def check(self) -> None:
+        """Held until this process exits: nothing to check (a lease may be lost)."""
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing the last descriptor drops the flock

@@ -9,6 +9,7 @@ from typing import Any
 
 from cbgen.config import EngineConfig, SamplingParams
 from cbgen.display import Display, ProgressSnapshot
+from cbgen.io.bucket import BucketLayout
 from cbgen.io.pipeline import GenerationLoop
 from cbgen.io.progress import ProgressTracker, count_rows_in_background
 from cbgen.io.readers import open_source
@@ -16,7 +17,8 @@ from cbgen.io.rows import ChatDefaults, ColumnSpec
 from cbgen.io.schema import output_schema
 from cbgen.io.shard import RowFilter
 from cbgen.io.stop import StopFlag
-from cbgen.io.writer import OutputLayout, StagingWriter, load_done_keys, staging_tag
+from cbgen.io.storage import Storage
+from cbgen.io.writer import OutputLayout, staging_tag
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class RunPlan:
 
     input_path: str
     columns: ColumnSpec
-    layout: OutputLayout
+    layout: OutputLayout | BucketLayout
     engine_config: EngineConfig
     defaults: SamplingParams
     row_filter: RowFilter = field(default_factory=RowFilter)
@@ -40,6 +42,8 @@ class RunPlan:
     """Devices for data-parallel workers on CUDA (worker k gets gpu_ids[k]); empty on the CPU."""
     settings: dict[str, Any] = field(default_factory=dict)
     """What the summary records about how the run was started."""
+    storage: Storage = field(default_factory=Storage)
+    """--storage-option: how URLs of the input and output are reached."""
 
 
 @dataclass
@@ -62,15 +66,15 @@ def generate_part(
     """Load an engine and generate the rows `row_filter` owns into a new staging stream."""
     from cbgen.engine.engine import Engine
 
-    source = open_source(plan.input_path, plan.columns)
+    source = open_source(plan.input_path, plan.columns, plan.storage)
     schema = output_schema(source.keep_types)
     engine = Engine(plan.engine_config)
-    done = load_done_keys(plan.layout)
+    done = plan.layout.done_keys()
     if on_ready is not None:
         on_ready(engine.describe(), engine.init_time_s, len(done))
     tracker = ProgressTracker(plan.engine_config.max_num_seqs)
     count_rows_in_background(source, row_filter, tracker)
-    writer = StagingWriter(plan.layout.staging, schema, staging_tag(worker))
+    writer = plan.layout.staging_writer(schema, staging_tag(worker))
     loop = GenerationLoop(
         engine,
         source.rows(row_filter),

@@ -21,19 +21,19 @@ from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from cbgen.display import Display
 from cbgen.io import identity
-from cbgen.io.export import export
-from cbgen.io.lock import OutputLock
+from cbgen.io.lease import LeaseLostError
+from cbgen.io.outputs import RunLock, RunOutput
 from cbgen.io.parallel import run_data_parallel
 from cbgen.io.part import PartResult, RunPlan, generate_part
 from cbgen.io.readers import STDIN, InputError, InputSource, open_source
 from cbgen.io.schema import output_schema
 from cbgen.io.stop import StopFlag
-from cbgen.io.summary import build_summary, format_summary, table_stats, write_summary
-from cbgen.io.writer import OutputError, OutputLayout, check_compatible, finalize, os_error_message
+from cbgen.io.storage import StorageError
+from cbgen.io.summary import build_summary, format_summary
+from cbgen.io.writer import OutputError
 
 EXIT_OK = 0
 EXIT_FATAL = 1
@@ -75,14 +75,15 @@ def execute(
     file and the summary stay this function's."""
     if plan.data_parallel_size > 1 and plan.input_path == STDIN:
         raise InputError("--data-parallel-size needs an input file: workers cannot share stdin")
-    source: InputSource = open_source(plan.input_path, plan.columns)
+    source: InputSource = open_source(plan.input_path, plan.columns, plan.storage)
     try:
         schema = output_schema(source.keep_types)
     except ValueError as e:
         raise InputError(str(e)) from None
-    layout = plan.layout
+    layout: RunOutput = plan.layout
     layout.prepare()
-    lock = OutputLock(layout.staging)
+    # a lease in a bucket can be lost (this run stalled past its expiry): stop, upload no more
+    lock = layout.lock(on_lost=lambda why: stop.request(f"lost the output's lease: {why}"))
     lock.acquire()  # before anything is changed or loaded; a refused run touches nothing
     if lock.unsupported:
         display.message(
@@ -90,25 +91,27 @@ def execute(
             "a second run on the same output would not be stopped"
         )
     try:
-        return _locked_run(plan, layout, schema, display, stop, generate)
+        return _locked_run(plan, layout, schema, display, stop, generate, source, lock)
     finally:
         lock.release()
 
 
 def _locked_run(
     plan: RunPlan,
-    layout: OutputLayout,
+    layout: RunOutput,
     schema: pa.Schema,
     display: Display,
     stop: StopFlag,
     generate: Generate | None,
+    source: InputSource,
+    lock: RunLock,
 ) -> int:
     t0 = time.perf_counter()
     layout.drop_stale_temps()
     if plan.overwrite:
         layout.clear()
     try:
-        check_compatible(layout, schema)
+        layout.check_compatible(schema)
         # A bad model path fails here, before any loading; this import brings in torch, so it
         # comes after the cheap checks.
         from cbgen.models.source import resolve_model
@@ -123,17 +126,14 @@ def _locked_run(
             model.kind,
             model.path,
             plan.chat,
+            _fingerprint(source),
         )
         _check_settings(layout, run_id)
-        settings_file = layout.staging / identity.SETTINGS_FILE
-        try:
-            identity.write_settings(settings_file, run_id)
-        except OSError as e:
-            raise OutputError(os_error_message(e, str(settings_file))) from None
+        layout.write_settings(run_id)
     except BaseException:
         layout.discard_empty_staging()
         raise
-    if layout.final.exists() or layout.has_partial_results():
+    if layout.final_exists() or layout.has_partial_results():
         display.message(f"resuming: rows already in {layout.final} or {layout.staging} are skipped")
 
     failures: list[str] = []
@@ -161,39 +161,46 @@ def _locked_run(
         return stop.exit_code
 
     release_memory()
-    finalize(layout, schema.with_metadata({identity.METADATA_KEY: json.dumps(run_id)}))
-    stats = table_stats(layout.final)
+    try:
+        lock.check()  # the final file is written by the run that holds the output
+    except LeaseLostError as e:
+        raise FatalError(
+            f"{e}; the rows this run finished are kept in {layout.staging}, for the run that "
+            "holds the output now"
+        ) from None
+    layout.finalize(schema.with_metadata({identity.METADATA_KEY: json.dumps(run_id)}))
+    stats = layout.final_stats()
     this_run = dict(result.stats, wall_s=time.perf_counter() - t0)
     settings = dict(plan.settings, engine_description=result.describe, model_commit=model.commit)
     summary = build_summary(layout.final, stats, this_run, settings)
-    write_summary(layout.summary, summary)
+    layout.write_summary(summary)
     if layout.export is not None:
-        try:
-            lines = export(layout.final, layout.export, plan.output_format, model.name)
-        except OSError as e:
-            raise OutputError(
-                os_error_message(e, str(layout.export)) + f"; the rows are safe in {layout.final}"
-            ) from None
+        lines = layout.export_to(plan.output_format, model.name)
         display.message(f"{lines} lines written to {layout.export} ({plan.output_format})")
     display.message(format_summary(summary))
     display.message(f"summary: {layout.summary}")
     return _error_rate_exit(summary, plan.max_error_rate, display)
 
 
-def _check_settings(layout: OutputLayout, run_id: dict[str, Any]) -> None:
+def _check_settings(layout: RunOutput, run_id: dict[str, Any]) -> None:
     """Earlier results must come from the settings of this run (staging first: it is newer)."""
-    staged = identity.read_settings(layout.staging / identity.SETTINGS_FILE)
+    staged = layout.staged_settings()
     if staged is not None and layout.has_partial_results():
         identity.check_resume(staged, run_id, layout.staging)
-    if layout.final.exists():
-        try:
-            metadata = pq.read_schema(layout.final).metadata
-        except (pa.ArrowException, OSError):
-            metadata = None  # check_compatible has already refused an unreadable file
-        identity.check_resume(identity.from_metadata(metadata), run_id, layout.final)
+    identity.check_resume(layout.final_settings(), run_id, layout.final)
 
 
-def _single(plan: RunPlan, layout: OutputLayout, display: Display, stop: StopFlag) -> PartResult:
+def _fingerprint(source: InputSource) -> tuple[str, str]:
+    """The input's name and digest (two range reads of a remote file)."""
+    try:
+        return source.fingerprint()
+    except StorageError as e:
+        raise InputError(f"input {e}") from None
+    except OSError as e:
+        raise InputError(f"cannot read input {source.name}: {e.strerror or e}") from None
+
+
+def _single(plan: RunPlan, layout: RunOutput, display: Display, stop: StopFlag) -> PartResult:
     def ready(describe: str, load_s: float, done: int) -> None:
         display.message(describe)
         if done:

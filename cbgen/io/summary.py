@@ -27,8 +27,9 @@ _PERCENTILES = (50, 90, 99)
 _BATCH = 16384
 
 
-def table_stats(path: Path) -> dict[str, Any]:
-    """Counts, token totals, preemptions and latency percentiles of an output file."""
+def table_stats(path: Path | pa.NativeFile) -> dict[str, Any]:
+    """Counts, token totals, preemptions and latency percentiles of an output file (a path, or
+    an open file in a bucket)."""
     pf = pq.ParquetFile(path)
     rows = ok = failed = inputs = 0
     reasons: dict[str, int] = {}
@@ -94,7 +95,7 @@ def _percentiles(pf: pq.ParquetFile, column: str) -> dict[str, float | None]:
 
 
 def build_summary(
-    output: Path,
+    output: Path | str,
     stats: dict[str, Any],
     this_run: dict[str, Any],
     settings: dict[str, Any],
@@ -128,8 +129,12 @@ def build_summary(
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     """Atomically (temp file, rename)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
+    tmp.write_text(summary_json(summary))
     os.replace(tmp, path)
+
+
+def summary_json(summary: dict[str, Any]) -> str:
+    return json.dumps(summary, indent=2, default=_json_default) + "\n"
 
 
 def _json_default(value: Any) -> Any:

@@ -27,7 +27,7 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +36,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cbgen.io.lock import LOCK_NAME
+from cbgen.io import identity
+from cbgen.io.export import export
+from cbgen.io.lock import LOCK_NAME, OutputLock
 from cbgen.io.shard import Shard
+from cbgen.io.summary import table_stats, write_summary
 
 STAGING_SUFFIX = ".arrows"
-_ROW_GROUP_ROWS = 16384
+ROW_GROUP_ROWS = 16384
 _ROW_GROUP_BYTES = 32 << 20
 _KEY_DTYPE = "S16"
 
@@ -155,6 +158,60 @@ class OutputLayout:
 
     def has_partial_results(self) -> bool:
         return any(p.stat().st_size > 0 for p in self.staging_files())
+
+    # ---- the run's steps (cbgen.io.outputs.RunOutput; BucketLayout has the same) ------------
+    def lock(self, on_lost: Callable[[str], None] | None = None) -> OutputLock:
+        """The flock is never lost while the process lives: on_lost is not called."""
+        return OutputLock(self.staging)
+
+    def final_exists(self) -> bool:
+        return self.final.exists()
+
+    def check_compatible(self, schema: pa.Schema) -> None:
+        check_compatible(self, schema)
+
+    def staged_settings(self) -> dict[str, Any] | None:
+        return identity.read_settings(self.staging / identity.SETTINGS_FILE)
+
+    def final_settings(self) -> dict[str, Any] | None:
+        if not self.final.exists():
+            return None
+        try:
+            metadata = pq.read_schema(self.final).metadata
+        except (pa.ArrowException, OSError):
+            return None  # check_compatible has already refused an unreadable file
+        return identity.from_metadata(metadata)
+
+    def write_settings(self, run_id: dict[str, Any]) -> None:
+        path = self.staging / identity.SETTINGS_FILE
+        try:
+            identity.write_settings(path, run_id)
+        except OSError as e:
+            raise OutputError(os_error_message(e, str(path))) from None
+
+    def done_keys(self) -> KeySet:
+        return load_done_keys(self)
+
+    def staging_writer(self, schema: pa.Schema, tag: str) -> StagingWriter:
+        return StagingWriter(self.staging, schema, tag)
+
+    def finalize(self, schema: pa.Schema) -> int:
+        return finalize(self, schema)
+
+    def final_stats(self) -> dict[str, Any]:
+        return table_stats(self.final)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        write_summary(self.summary, summary)
+
+    def export_to(self, fmt: str, model: str) -> int:
+        assert self.export is not None
+        try:
+            return export(self.final, self.export, fmt, model)
+        except OSError as e:
+            raise OutputError(
+                os_error_message(e, str(self.export)) + f"; the rows are safe in {self.final}"
+            ) from None
 
 
 def staging_tag(worker: int | None = None) -> str:
@@ -272,7 +329,7 @@ def load_done_keys(layout: OutputLayout) -> KeySet:
     arrays: list[np.ndarray] = []
     if layout.final.exists():
         pf = pq.ParquetFile(layout.final)
-        for b in pf.iter_batches(batch_size=_ROW_GROUP_ROWS, columns=["id", "sample_index"]):
+        for b in pf.iter_batches(batch_size=ROW_GROUP_ROWS, columns=["id", "sample_index"]):
             arrays.append(batch_keys(b))
     for f in layout.staging_files():
         for b in read_stream(f):
@@ -343,32 +400,24 @@ def finalize(layout: OutputLayout, schema: pa.Schema) -> int:
         pf = pq.ParquetFile(layout.final)
         old_keys = KeySet.from_arrays(
             batch_keys(b)
-            for b in pf.iter_batches(batch_size=_ROW_GROUP_ROWS, columns=["id", "sample_index"])
+            for b in pf.iter_batches(batch_size=ROW_GROUP_ROWS, columns=["id", "sample_index"])
         )
     tmp = layout.final.parent / f".{layout.final.name}.tmp-{os.getpid()}"
     rows = 0
     try:
         with pq.ParquetWriter(tmp, schema) as writer:
             if layout.final.exists():
-                for b in pq.ParquetFile(layout.final).iter_batches(batch_size=_ROW_GROUP_ROWS):
+                for b in pq.ParquetFile(layout.final).iter_batches(batch_size=ROW_GROUP_ROWS):
                     rows += _write_group(writer, [b], schema)
-            pending: list[pa.RecordBatch] = []
-            size = 0
-            for f in files:
-                for b in read_stream(f):
-                    if len(old_keys):
-                        b = b.filter(pa.array(~old_keys.contains_many(batch_keys(b))))
-                    if not b.num_rows:
-                        continue
-                    pending.append(b)
-                    size += b.nbytes
-                    if (
-                        sum(p.num_rows for p in pending) >= _ROW_GROUP_ROWS
-                        or size >= _ROW_GROUP_BYTES
-                    ):
-                        rows += _write_group(writer, pending, schema)
-                        pending, size = [], 0
-            rows += _write_group(writer, pending, schema)
+
+            def staged() -> Iterator[pa.RecordBatch]:
+                for f in files:
+                    for b in read_stream(f):
+                        if len(old_keys):
+                            b = b.filter(pa.array(~old_keys.contains_many(batch_keys(b))))
+                        yield b
+
+            rows += write_row_groups(writer, staged(), schema)
         _fsync(tmp)
         os.replace(tmp, layout.final)
         _fsync(layout.final.parent)
@@ -382,13 +431,31 @@ def finalize(layout: OutputLayout, schema: pa.Schema) -> int:
     return rows
 
 
+def write_row_groups(
+    writer: pq.ParquetWriter, batches: Iterable[pa.RecordBatch], schema: pa.Schema
+) -> int:
+    """Write the batches gathered into row groups of up to ROW_GROUP_ROWS rows (or 32 MiB);
+    returns the rows written."""
+    rows = size = 0
+    pending: list[pa.RecordBatch] = []
+    for b in batches:
+        if not b.num_rows:
+            continue
+        pending.append(b)
+        size += b.nbytes
+        if sum(p.num_rows for p in pending) >= ROW_GROUP_ROWS or size >= _ROW_GROUP_BYTES:
+            rows += _write_group(writer, pending, schema)
+            pending, size = [], 0
+    return rows + _write_group(writer, pending, schema)
+
+
 def _write_group(writer: pq.ParquetWriter, batches: list[pa.RecordBatch], schema: pa.Schema) -> int:
     if not batches:
         return 0
     table = pa.Table.from_batches(batches)
     if not table.schema.equals(schema):
         table = table.cast(schema)
-    writer.write_table(table, row_group_size=_ROW_GROUP_ROWS)
+    writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
     return table.num_rows
 
 
