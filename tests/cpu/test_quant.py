@@ -137,10 +137,18 @@ def numpy_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     return q, d, q.sum(-1), q[..., :16].sum(-1)
 
 
+def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fused multiply-add, a b + c rounded once: the float32 product is exact in
+    float64 (24 + 24 bits), and the sum then rounds to float32 as fmaf does but for halfway
+    cases of a double rounding, which the float32 sums here do not reach."""
+    exact = a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)
+    return exact.astype(np.float32)
+
+
 def numpy_gemm(name: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """qgemm.c's arithmetic in NumPy: exact integer dot products per sub-block, then
-    acc += float(isum) (scale dx) per sub-block, and acc += m (dx sx) (Q4_1, Q5_1) or
-    acc -= (dmin m_j) (dx sx) (Q4_K, Q5_K) per group of 32, float32 operations in that order."""
+    acc = fma(float(isum), scale dx, acc) per sub-block, and acc = fma(+-min, dx sx, acc) per
+    group of 32 (m for Q4_1, Q5_1; -(dmin m_j) for Q4_K, Q5_K), in that order."""
     k = x.shape[1]
     q, d, s, low = numpy_q8(x.numpy())
     u, scale, mn = decode(name, blocks.numpy(), k)
@@ -154,11 +162,11 @@ def numpy_gemm(name: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor
             xs = s[:, j] if sub == 32 else (low[:, j] if h == 0 else s[:, j] - low[:, j])
             isum = ub[:, j, lo:hi] @ q[:, j, lo:hi].T - off * xs[None, :]
             t = (scale[None, :, j * (32 // sub) + h] * d[:, None, j]).astype(np.float32)
-            acc = (acc + (isum.T.astype(np.float32) * t).astype(np.float32)).astype(np.float32)
+            acc = fma(isum.T.astype(np.float32), t, acc)
         if mn is not None:
             dxs = (d[:, j] * s[:, j].astype(np.float32)).astype(np.float32)
-            term = (mn[None, :, j] * dxs[:, None]).astype(np.float32)
-            acc = (acc + term if name in ("Q4_1", "Q5_1") else acc - term).astype(np.float32)
+            sign = 1 if name in ("Q4_1", "Q5_1") else -1
+            acc = fma(np.broadcast_to(sign * mn[None, :, j], acc.shape), dxs[:, None], acc)
     return torch.from_numpy(acc)
 
 

@@ -18,14 +18,14 @@
  * b, with isum = sum_k q_k qx_k exact in int32 less the type's offset times x's sum over the
  * sub-block:
  *
- *   acc += float(isum) (s_j dx_b)        s_j = d, or d sc_j for the K-quants (exact in float)
- *   acc += m (dx_b sx_b)                 Q4_1, Q5_1
- *   acc -= (dmin m_j) (dx_b sx_b)        Q4_K, Q5_K
+ *   acc = fma(float(isum), s_j dx_b, acc)      s_j = d, or d sc_j for the K-quants (exact)
+ *   acc = fma(m, dx_b sx_b, acc)               Q4_1, Q5_1
+ *   acc = fma(-(dmin m_j), dx_b sx_b, acc)     Q4_K, Q5_K
  *
  * in that order, sub-blocks in k order. Every path (AVX512-VNNI, AVX2, the scalar reference)
- * computes the same integers and the same float32 operations in the same order (no fused
- * multiply-add: the file is built with -ffp-contract=off), so the reference (cbgen_q_gemm with
- * ref = 1, and tests/ NumPy) gives their bits exactly.
+ * computes the same integers and the same float32 operations in the same order (the fused
+ * multiply-adds written out, no other contraction: the file is built with -ffp-contract=off),
+ * so the reference (cbgen_q_gemm with ref = 1, and tests/ NumPy) gives their bits exactly.
  *
  * The weight is repacked once into panels of 16 output columns, file block by file block:
  *
@@ -57,7 +57,7 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define QISA 2
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QISA 1
 #else
@@ -336,8 +336,7 @@ static inline int stored(const qtype *t, const uint8_t *q, int j, int k) {
 
 /* The float step after sub-block i of group b (every path: these operations, this order). */
 static inline float sub_step(float acc, int32_t isum, float s, float dx) {
-    const float t = s * dx;
-    return acc + (float)isum * t;
+    return fmaf((float)isum, s * dx, acc);
 }
 
 /* The scalar reference (and the path of builds without AVX2): one column, one row. */
@@ -362,8 +361,8 @@ static float dot_ref(const qtype *t, const uint8_t *panel, int64_t SB, int j, co
             }
             if (t->min) {
                 const float dxs = dx * (float)x->s[row * x->KB + b];
-                if (t->min == 1) acc = acc + sub_min(t, hdr, g, j) * dxs;
-                else acc = acc - sub_min(t, hdr, g, j) * dxs;
+                if (t->min == 1) acc = fmaf(sub_min(t, hdr, g, j), dxs, acc);
+                else acc = fmaf(-sub_min(t, hdr, g, j), dxs, acc);
             }
         }
     }
@@ -399,7 +398,8 @@ static void tile_vnni(const qtype *t, const uint8_t *panel, int64_t SB, int R, c
                     sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(wide));
                 }
                 __m512i is[RMAX];
-                for (int r = 0; r < R; ++r) is[r] = _mm512_setzero_si512();
+                for (int r = 0; r < R; ++r) /* the offset's share, subtracted up front */
+                    is[r] = _mm512_set1_epi32(-t->off * sub_sum(x, row0 + r, b, t->sub, h));
                 for (int run = h * per_sub; run < (h + 1) * per_sub; ++run) {
                     const __m512i v = _mm512_loadu_si512(q + run * 64);
                     if (t->bits == 8) {
@@ -431,11 +431,9 @@ static void tile_vnni(const qtype *t, const uint8_t *panel, int64_t SB, int R, c
                     }
                 }
                 for (int r = 0; r < R; ++r) {
-                    const int32_t off = t->off * sub_sum(x, row0 + r, b, t->sub, h);
-                    const __m512i isum = _mm512_sub_epi32(is[r], _mm512_set1_epi32(off));
                     const __m512 dxr = _mm512_set1_ps(x->d[(row0 + r) * x->KB + b]);
                     const __m512 tt = _mm512_mul_ps(sc, dxr);
-                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), tt));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), tt, acc[r]);
                 }
             }
             if (t->min) {
@@ -448,8 +446,8 @@ static void tile_vnni(const qtype *t, const uint8_t *panel, int64_t SB, int R, c
                 for (int r = 0; r < R; ++r) {
                     const int64_t k = (row0 + r) * x->KB + b;
                     const __m512 dxs = _mm512_set1_ps(x->d[k] * (float)x->s[k]);
-                    if (t->min == 1) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(mv, dxs));
-                    else acc[r] = _mm512_sub_ps(acc[r], _mm512_mul_ps(mv, dxs));
+                    if (t->min == 1) acc[r] = _mm512_fmadd_ps(mv, dxs, acc[r]);
+                    else acc[r] = _mm512_fnmadd_ps(mv, dxs, acc[r]);
                 }
             }
         }
@@ -510,7 +508,8 @@ static void tile_avx2(const qtype *t, const uint8_t *panel, int64_t SB, int R, c
                 const __m256 sc =
                     t->kq ? _mm256_mul_ps(d, cvt_scales(scales + i * QCOLS, t->off)) : d;
                 __m256i is[RMAX];
-                for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
+                for (int r = 0; r < R; ++r) /* the offset's share, subtracted up front */
+                    is[r] = _mm256_set1_epi32(-t->off * sub_sum(x, row0 + r, b, t->sub, h));
                 for (int run = h * per_sub; run < (h + 1) * per_sub; ++run) {
                     const __m256i v =
                         _mm256_loadu_si256((const __m256i *)(q + run * 64 + 32 * half));
@@ -538,11 +537,9 @@ static void tile_avx2(const qtype *t, const uint8_t *panel, int64_t SB, int R, c
                     }
                 }
                 for (int r = 0; r < R; ++r) {
-                    const int32_t off = t->off * sub_sum(x, row0 + r, b, t->sub, h);
-                    const __m256i isum = _mm256_sub_epi32(is[r], _mm256_set1_epi32(off));
                     const __m256 dxr = _mm256_set1_ps(x->d[(row0 + r) * x->KB + b]);
                     const __m256 tt = _mm256_mul_ps(sc, dxr);
-                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), tt));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), tt, acc[r]);
                 }
             }
             if (t->min) {
@@ -551,8 +548,8 @@ static void tile_avx2(const qtype *t, const uint8_t *panel, int64_t SB, int R, c
                 for (int r = 0; r < R; ++r) {
                     const int64_t k = (row0 + r) * x->KB + b;
                     const __m256 dxs = _mm256_set1_ps(x->d[k] * (float)x->s[k]);
-                    if (t->min == 1) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mv, dxs));
-                    else acc[r] = _mm256_sub_ps(acc[r], _mm256_mul_ps(mv, dxs));
+                    if (t->min == 1) acc[r] = _mm256_fmadd_ps(mv, dxs, acc[r]);
+                    else acc[r] = _mm256_fnmadd_ps(mv, dxs, acc[r]);
                 }
             }
         }
