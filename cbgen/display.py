@@ -5,7 +5,11 @@
   - not a terminal (cron, Slurm logs): one plain status line every --log-interval seconds;
   - --quiet: nothing until the final summary.
 
-Displays only read `ProgressSnapshot`s; they never touch the engine.
+Before the first row, while the engine starts (the CPU kernels built and tuned on first use, the
+model loaded), `phase` shows what it is doing: a line a phase in the log, a spinner with the
+phase and its seconds on the live view; then `format_startup` says how long each kind took.
+
+Displays only read `ProgressSnapshot`s and the phases' words; they never touch the engine.
 """
 
 from __future__ import annotations
@@ -103,6 +107,22 @@ def format_rows(snap: ProgressSnapshot) -> str:
     return f"rows {snap.rows_done}"
 
 
+def format_startup(startup_s: dict[str, float]) -> str:
+    """'start-up 48.2s: build 20.1s, tune 25.3s, load 2.1s' from the summary's startup_s
+    (cbgen.phases.StartupTimes.as_dict): the kinds that took half a second or more."""
+    parts = [
+        f"{kind} {_seconds(s)}"
+        for kind, s in startup_s.items()
+        if kind not in ("total", "other") and s >= 0.5
+    ]
+    total = f"start-up {_seconds(startup_s.get('total', 0.0))}"
+    return f"{total}: {', '.join(parts)}" if parts else total
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f}s" if s < 60 else format_duration(s)
+
+
 def format_status(snap: ProgressSnapshot) -> str:
     """One line for logs, e.g.
     [cbgen 1m05s] rows 1200/10000 12.0% (3 failed, 0 resumed) 45.2 rows/s ETA 3m14s | slots 60/64
@@ -131,6 +151,9 @@ class Display:
     def start(self) -> None:
         pass
 
+    def phase(self, kind: str, text: str, seconds: float | None) -> None:
+        """A start-up phase begins (seconds None) or ends (a cbgen.phases listener)."""
+
     def update(self, snap: ProgressSnapshot) -> None:
         """Called often (every engine step); implementations rate-limit themselves."""
 
@@ -149,6 +172,10 @@ class LogDisplay(Display):
         self.interval = interval
         self._next = time.monotonic() + interval
 
+    def phase(self, kind: str, text: str, seconds: float | None) -> None:
+        if seconds is None:  # how long it took: the summary says
+            print(f"[cbgen] {text}", file=self.stream, flush=True)
+
     def update(self, snap: ProgressSnapshot) -> None:
         now = time.monotonic()
         if now >= self._next:
@@ -161,7 +188,9 @@ class LogDisplay(Display):
 
 
 class LiveDisplay(Display):
-    """Rich live view, redrawn at most four times a second."""
+    """Rich live view, redrawn at most four times a second. Before start, a phase shows as a
+    spinner line that counts its seconds (redrawn by Rich's thread: the phase's work holds the
+    main thread), cleared when the view starts."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         super().__init__(stream)
@@ -170,10 +199,35 @@ class LiveDisplay(Display):
         self.console = Console(file=self.stream)
         self._live: Any = None
         self._last = 0.0
+        self._phase: _PhaseLine | None = None
+        self._phase_live: Any = None
+
+    def phase(self, kind: str, text: str, seconds: float | None) -> None:
+        if self._live is not None:
+            return
+        if self._phase is None:
+            from rich.live import Live
+
+            self._phase = _PhaseLine()
+            self._phase_live = Live(
+                self._phase, console=self.console, refresh_per_second=4, transient=True
+            )
+            self._phase_live.start()
+        if seconds is None:
+            self._phase.begin(text)
+        else:
+            self._phase.end(text)
+        self._phase_live.refresh()
+
+    def _stop_phase(self) -> None:
+        if self._phase_live is not None:
+            self._phase_live.stop()
+            self._phase_live = self._phase = None
 
     def start(self) -> None:
         from rich.live import Live
 
+        self._stop_phase()
         self._live = Live(
             self._render(ProgressSnapshot.empty()), console=self.console, auto_refresh=False
         )
@@ -186,12 +240,14 @@ class LiveDisplay(Display):
             self._live.update(self._render(snap), refresh=True)
 
     def message(self, text: str) -> None:
-        if self._live is not None:
-            self._live.console.print(text, markup=False, highlight=False)
+        live = self._live or self._phase_live
+        if live is not None:
+            live.console.print(text, markup=False, highlight=False)
         else:
             super().message(text)
 
     def stop(self, snap: ProgressSnapshot | None = None) -> None:
+        self._stop_phase()
         if self._live is not None:
             if snap is not None:
                 self._live.update(self._render(snap), refresh=True)
@@ -232,6 +288,36 @@ class LiveDisplay(Display):
             "",
         )
         return Group(head, stats)
+
+
+class _PhaseLine:
+    """The live view's line while the engine starts: a spinner, the innermost phase running
+    and its seconds (between phases, 'starting' and the seconds since the first began)."""
+
+    def __init__(self) -> None:
+        from rich.spinner import Spinner
+
+        self.spinner = Spinner("dots")
+        self.started = time.monotonic()
+        self.running: list[tuple[str, float]] = []
+
+    def begin(self, text: str) -> None:
+        self.running.append((text, time.monotonic()))
+
+    def end(self, text: str) -> None:
+        """The last phase begun with this text (data-parallel workers' phases interleave)."""
+        for i in range(len(self.running) - 1, -1, -1):
+            if self.running[i][0] == text:
+                del self.running[i]
+                return
+
+    def __rich__(self) -> Any:
+        from rich.text import Text
+
+        top = self.running[-1:]  # one read: the main thread pushes and pops meanwhile
+        text, since = top[0] if top else ("starting", self.started)
+        self.spinner.update(text=Text(f"{text}  {format_duration(time.monotonic() - since)}"))
+        return self.spinner
 
 
 def make_display(quiet: bool, log_interval: float, stream: TextIO | None = None) -> Display:

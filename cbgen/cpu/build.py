@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -48,6 +49,7 @@ from cbgen.cpu.c_header import (
     parse_header,
 )
 from cbgen.cpu.features import ISA_SETTING, CpuInfo, cpu_info, isa_refusal, isa_setting
+from cbgen.phases import BUILD, phase
 
 logger = logging.getLogger("cbgen")
 
@@ -190,16 +192,28 @@ def probe_target(cc: str, flags: tuple[str, ...]) -> Target:
 
 
 def _compile(cc: str, flags: Sequence[str], lib_path: Path) -> None:
-    """Build the library at lib_path (atomically: concurrent builders never see half a file)."""
+    """Build the library at lib_path (atomically: concurrent builders never see half a file),
+    the sources compiled side by side, one per core this process may use: on first use the
+    build is what a user waits for."""
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-        objs = []
-        for i, (source, source_flags) in enumerate(_SRCS.items()):
-            objs.append(str(Path(tmp) / f"{i}.o"))
-            _run([cc, *flags, *source_flags, "-c", str(source), "-o", objs[-1]])
+        objs = [str(Path(tmp) / f"{i}.o") for i in range(len(_SRCS))]
+        commands = [
+            [cc, *flags, *source_flags, "-c", str(source), "-o", obj]
+            for (source, source_flags), obj in zip(_SRCS.items(), objs, strict=True)
+        ]
+        with ThreadPoolExecutor(_cores()) as pool:
+            list(pool.map(_run, commands))  # the first failure raises
         tmp_lib = Path(tmp) / lib_path.name
         _run([cc, "-shared", "-fopenmp", *objs, "-o", str(tmp_lib), "-lm"])
         tmp_lib.replace(lib_path)
+
+
+def _cores() -> int:
+    """The cores this process may run on (all of them where the OS does not say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -262,7 +276,8 @@ def build_library(cache: Path, extra_flags: Sequence[str] = ()) -> Build:
     lib_path = cache / f"cbgen_cpu_{key}.so"
     if not lib_path.exists():
         try:
-            _compile(cc, flags, lib_path)
+            with phase(BUILD, f"building CPU kernels for {target.describe()}: first use, cached"):
+                _compile(cc, flags, lib_path)
         except (_CommandFailed, OSError) as e:
             return _failed(cache / f"build-{key}.log", e)
     try:

@@ -36,6 +36,7 @@ from cbgen.cpu.linear import (
     pack_weight,
     packed_linear,
 )
+from cbgen.phases import TUNE, phase
 
 logger = logging.getLogger("cbgen")
 
@@ -322,13 +323,14 @@ def tune(library: Path, default: int, int16_head: bool | None = None) -> Tuning:
     load = _load_per_cpu()
     if load > BUSY_LOAD:
         return Tuning(default, f"build default: machine busy ({load:.0%} of the CPUs)", head)
-    blocked_s = measure_blocked()
-    blocked = blocked_from(BLOCKED_TRIED, *blocked_s) if blocked_s else 0
-    timings = measure(blocked_from=blocked)  # small_gemm as it will run
-    if timings is None:
-        return Tuning(default, "build default: oneDNN packing unavailable", head)
-    native_s, onednn_s = timings
-    head_s = measure_head() if int16_head is not None else None
+    with phase(TUNE, "tuning CPU kernels for this machine: first use, kept beside the build"):
+        blocked_s = measure_blocked()
+        blocked = blocked_from(BLOCKED_TRIED, *blocked_s) if blocked_s else 0
+        timings = measure(blocked_from=blocked)  # small_gemm as it will run
+        if timings is None:
+            return Tuning(default, "build default: oneDNN packing unavailable", head)
+        native_s, onednn_s = timings
+        head_s = measure_head() if int16_head is not None else None
     if head_s is not None:
         head = head_s[1] < head_s[0]
     tuning = Tuning(crossover(ROWS, native_s, onednn_s), "measured", head, blocked)

@@ -50,6 +50,7 @@ from cbgen.models.gguf_model import gguf_resident_bytes
 from cbgen.models.loader import load_model, load_model_config, stored_weight_dtype
 from cbgen.models.source import resolve_model
 from cbgen.models.tokenizer import load_tokenizer
+from cbgen.phases import LOAD, phase
 from cbgen.runtime import Runtime, bind, cpu_bf16_mode, quantized_types
 
 logger = logging.getLogger("cbgen")
@@ -139,21 +140,23 @@ class Engine:
             elif self.device.type == "cpu":
                 kept = "bfloat16" if self.cpu_bf16 is not None else config.cpu_weight_dtype
                 self.weight_dtype = plan_cpu_weights(mc, self.dtype, kept, stored, self.source.name)
-            self.tokenizer = load_tokenizer(self.source)
-            self.model = load_model(
-                self.source,
-                mc,
-                self.dtype,
-                self.device,
-                self.max_model_len,
-                config.load_format,
-                config.seed,
-                self.weight_dtype,
-                keep_quantized=self.keep_quantized(),
-            )
-            self.runtime = bind(
-                self.model, self.device, self.dtype, config.num_threads, self.cpu_bf16 == "dot"
-            )
+            with phase(LOAD, f"loading model {self.source.name}"):
+                self.tokenizer = load_tokenizer(self.source)
+                self.model = load_model(
+                    self.source,
+                    mc,
+                    self.dtype,
+                    self.device,
+                    self.max_model_len,
+                    config.load_format,
+                    config.seed,
+                    self.weight_dtype,
+                    keep_quantized=self.keep_quantized(),
+                )
+            with phase(LOAD, f"preparing the model for {self.device.type}"):  # tuning inside
+                self.runtime = bind(
+                    self.model, self.device, self.dtype, config.num_threads, self.cpu_bf16 == "dot"
+                )
         self.prompts = Prompts(self.tokenizer, mc.vocab_size)
         """Prompts and chats to token ids; bad_words to theirs."""
         self.detokenizer = Detokenizer(self.tokenizer)

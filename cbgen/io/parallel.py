@@ -2,7 +2,7 @@
 
     parent ──spawn──▶ worker k (k < N): its own engine (GPU k on CUDA), the rows
        ▲               r with (r // shard_count) % N == k, its own staging stream
-       └── one Pipe per worker: ready / progress / done / error messages
+       └── one Pipe per worker: phase / ready / progress / done / error messages
 
 A Pipe per worker (not a shared Queue) means a worker killed mid-message cannot leave a lock
 held that would block the others. The parent waits on every pipe and every process sentinel
@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -32,6 +32,7 @@ from cbgen.io.part import PartResult, RunPlan, generate_part, merge_stats
 from cbgen.io.readers import InputError
 from cbgen.io.stop import StopFlag
 from cbgen.io.writer import OutputError
+from cbgen.phases import listening
 
 _PROGRESS_EVERY_S = 0.5
 
@@ -55,8 +56,11 @@ def worker_main(plan: RunPlan, index: int, conn: mpc.Connection) -> None:
         except (BrokenPipeError, EOFError, OSError):
             stop.request("parent gone")  # the parent died: flush and stop
 
-    def on_ready(describe: str, load_s: float, done: int) -> None:
-        send(("ready", describe, load_s, done))
+    def on_ready(describe: str, startup_s: dict[str, float], done: int) -> None:
+        send(("ready", describe, startup_s, done))
+
+    def on_phase(kind: str, text: str, seconds: float | None) -> None:
+        send(("phase", kind, text, seconds))
 
     def on_progress(snap: ProgressSnapshot) -> None:
         nonlocal last
@@ -67,15 +71,16 @@ def worker_main(plan: RunPlan, index: int, conn: mpc.Connection) -> None:
 
     try:
         row_filter = plan.row_filter.split(plan.data_parallel_size, index)
-        result = generate_part(
-            plan,
-            row_filter,
-            Display(sys.stderr),
-            stop,
-            worker=index,
-            on_ready=on_ready,
-            on_progress=on_progress,
-        )
+        with listening(on_phase):
+            result = generate_part(
+                plan,
+                row_filter,
+                Display(sys.stderr),
+                stop,
+                worker=index,
+                on_ready=on_ready,
+                on_progress=on_progress,
+            )
         send(("done", result.completed, result.stats, stop.reason, result.snapshot))
     except BaseException as e:  # report anything, then exit non-zero
         if isinstance(e, (ValueError, InputError, OutputError, KeyboardInterrupt)):
@@ -101,6 +106,8 @@ class _Worker:
     failure: str | None = None
     exited: bool = False
     describe: str = ""
+    phases: list[tuple[str, str, float | None]] = field(default_factory=list)
+    """Start-up phases received and not yet shown (cbgen.phases: kind, text, seconds)."""
 
 
 def run_data_parallel(
@@ -132,6 +139,9 @@ def run_data_parallel(
             mpc.wait(waitables, timeout=0.25)
             for w in workers:
                 _drain(w)
+                for phase in w.phases:
+                    display.phase(*phase)
+                w.phases.clear()
                 if w.describe and w.index == 0 and not display_started:
                     display.message(w.describe)
                     display.start()
@@ -182,7 +192,9 @@ def _drain(w: _Worker) -> None:
             w.open = False
             return
         kind = msg[0]
-        if kind == "ready":
+        if kind == "phase":
+            w.phases.append((msg[1], f"worker {w.index}: {msg[2]}", msg[3]))
+        elif kind == "ready":
             w.describe = msg[1]
         elif kind == "progress":
             w.snap = msg[1]

@@ -19,6 +19,7 @@ from cbgen.io.shard import RowFilter
 from cbgen.io.stop import StopFlag
 from cbgen.io.storage import Storage
 from cbgen.io.writer import OutputLayout, staging_tag
+from cbgen.phases import StartupTimes, listening
 
 
 @dataclass(frozen=True)
@@ -60,18 +61,23 @@ def generate_part(
     display: Display,
     stop: StopFlag,
     worker: int | None = None,
-    on_ready: Callable[[str, float, int], None] | None = None,
+    on_ready: Callable[[str, dict[str, float], int], None] | None = None,
     on_progress: Callable[[ProgressSnapshot], None] | None = None,
 ) -> PartResult:
-    """Load an engine and generate the rows `row_filter` owns into a new staging stream."""
+    """Load an engine and generate the rows `row_filter` owns into a new staging stream. The
+    engine's start-up phases go to display.phase as they happen; on_ready gets the engine's
+    description, its start-up seconds (StartupTimes.as_dict) and the rows already written."""
     from cbgen.engine.engine import Engine
 
     source = open_source(plan.input_path, plan.columns, plan.storage)
     schema = output_schema(source.keep_types)
-    engine = Engine(plan.engine_config)
+    times = StartupTimes()
+    with listening(times.record, display.phase):
+        engine = Engine(plan.engine_config)
+    startup = times.as_dict(engine.init_time_s)
     done = plan.layout.done_keys()
     if on_ready is not None:
-        on_ready(engine.describe(), engine.init_time_s, len(done))
+        on_ready(engine.describe(), startup, len(done))
     tracker = ProgressTracker(plan.engine_config.max_num_seqs)
     count_rows_in_background(source, row_filter, tracker)
     writer = plan.layout.staging_writer(schema, staging_tag(worker))
@@ -94,16 +100,21 @@ def generate_part(
         writer.close()
     stats = tracker.run_stats()
     stats["load_s"] = engine.init_time_s
+    stats["startup_s"] = startup
     return PartResult(completed, stats, engine.describe(), tracker.snapshot())
 
 
 def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Workers' run figures as one: counts add up, times take the slowest worker."""
+    """Workers' run figures as one: counts add up, times take the slowest worker (start-up's
+    each kind of phase apart)."""
     out: dict[str, Any] = {}
     for p in parts:
         for k, v in p.items():
             if k in ("loop_s", "load_s"):
                 out[k] = max(out.get(k, 0.0), v)
+            elif k == "startup_s":
+                seen = out.setdefault(k, {})
+                out[k] = {kind: max(seen.get(kind, 0.0), s) for kind, s in v.items()}
             else:
                 out[k] = out.get(k, 0) + v
     return out

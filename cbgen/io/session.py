@@ -201,7 +201,7 @@ def _fingerprint(source: InputSource) -> tuple[str, str]:
 
 
 def _single(plan: RunPlan, layout: RunOutput, display: Display, stop: StopFlag) -> PartResult:
-    def ready(describe: str, load_s: float, done: int) -> None:
+    def ready(describe: str, startup_s: dict[str, float], done: int) -> None:
         display.message(describe)
         if done:
             display.message(f"{done} output rows already written; skipping them")
