@@ -19,6 +19,7 @@ from tools.peer_common import (
     fill_window,
     load_workload,
     run_worker,
+    tpot_extra,
     worker_args,
 )
 
@@ -97,6 +98,11 @@ def main() -> None:
     p.add_argument(
         "--load-format", default="auto", help="cbgen's load format (dummy: random weights)"
     )
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="a GGUF file's float path (every tensor dequantized) instead of its own types",
+    )
     args = p.parse_args()
 
     def body(result: Result) -> None:
@@ -110,6 +116,7 @@ def main() -> None:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             dtype=args.dtype,
+            dequantize=args.dequantize,
         )
         engine = llm.engine
         # Warm-up: one short request of token ids no real prompt starts with (no prefix-cache help).
@@ -120,6 +127,7 @@ def main() -> None:
         result.startup_s = time.perf_counter() - PROCESS_START
 
         outputs: dict[str, list[int]] = {}
+        tpots: list[float | None] = []
         steps = []
         with TimedWindow() as w:
             for it in items:
@@ -134,6 +142,7 @@ def main() -> None:
                     if r.finish_reason not in ("length", "stop"):
                         raise RuntimeError(f"request {r.request_id}: {r.finish_reason} {r.error}")
                     outputs[r.request_id] = list(r.output_token_ids)
+                    tpots.append(r.metrics.tpot_s)
         fill_window(result, w)
         result.output_token_ids = [outputs[it.request_id] for it in items]
         check_lengths(result, items)
@@ -155,9 +164,10 @@ def main() -> None:
         result.extra["num_steps"] = float(len(steps))
         result.extra["total_preemptions"] = float(steps[-1].total_preemptions if steps else 0)
         result.extra["cached_tokens"] = float(sum(s.num_cached_tokens for s in steps))
+        result.extra.update(tpot_extra(tpots))
         result.detail = engine.describe()
 
-    run_worker("cbgen", args.out, body)
+    run_worker("cbgen, --dequantize" if args.dequantize else "cbgen", args.out, body)
 
 
 if __name__ == "__main__":

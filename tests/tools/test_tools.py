@@ -195,7 +195,12 @@ def test_the_prompt_heavy_workload_keeps_only_long_prompts(
     import argparse
 
     args = argparse.Namespace(
-        num_requests=2, seed=0, min_prompt_len=300, max_prompt_len=400, max_output_len=3
+        num_requests=2,
+        seed=0,
+        min_prompt_len=300,
+        max_prompt_len=400,
+        max_output_len=3,
+        exact_output_len=False,
     )
     w = compare_peers.build_workload(peer_model_dir, args, tmp_path / "workload.json")
     assert w["requests"] == 2 and w["output_tokens"] <= 6
