@@ -136,12 +136,15 @@ class GcsLeaseStore(LeaseStore):
                 f"{loc.url}: a gs:// output takes its lease through the google-cloud-storage "
                 "package: pip install google-cloud-storage"
             ) from None
+        endpoint = storage.get("endpoint_url")
+        options = {"api_endpoint": endpoint} if endpoint else None
         client = (
             gcs.Client.create_anonymous_client()
             if storage.flag("anonymous")
-            else gcs.Client(project=storage.get("project_id"))
+            else gcs.Client(project=storage.get("project_id"), client_options=options)
         )
-        self.blob = client.bucket(loc.bucket).blob(loc.key)
+        self.bucket = client.bucket(loc.bucket)
+        self.key = loc.key
 
     def create(self, body: bytes) -> str | None:
         return self._upload(body, 0)
@@ -152,24 +155,28 @@ class GcsLeaseStore(LeaseStore):
     def _upload(self, body: bytes, generation: int) -> str | None:
         from google.api_core.exceptions import NotFound, PreconditionFailed
 
+        blob = self.bucket.blob(self.key)
         try:
-            self.blob.upload_from_string(body, if_generation_match=generation)
+            blob.upload_from_string(body, if_generation_match=generation)
         except (PreconditionFailed, NotFound):
             return None
-        return str(self.blob.generation)
+        return str(blob.generation)
 
     def read(self) -> Version | None:
-        from google.api_core.exceptions import NotFound
+        from google.api_core.exceptions import NotFound, PreconditionFailed
 
-        try:
-            body = self.blob.download_as_bytes()
-        except NotFound:
+        blob = self.bucket.get_blob(self.key)  # its generation and update time
+        if blob is None:
             return None
-        age = time.time() - self.blob.updated.timestamp()
-        return Version(body, str(self.blob.generation), max(0.0, age))
+        try:
+            body = blob.download_as_bytes(if_generation_match=blob.generation)
+        except (NotFound, PreconditionFailed):
+            return None  # replaced or gone meanwhile: the caller reads again or creates
+        age = time.time() - blob.updated.timestamp()
+        return Version(body, str(blob.generation), max(0.0, age))
 
     def delete(self) -> None:
-        self.blob.delete()
+        self.bucket.blob(self.key).delete()
 
 
 def lease_store(storage: Storage, loc: Location) -> LeaseStore:
