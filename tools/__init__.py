@@ -1,6 +1,7 @@
 """Maintained measurement tools, run from the repository root as `python -m tools.<name>`:
 
-    compare_peers            one workload through cbgen, transformers and vLLM's CPU build
+    compare_peers            one workload through cbgen, transformers, vLLM's CPU build and
+                             llama.cpp
     gpu_check                the offline GPU check: its sections (gpu_correctness, gpu_speed)
                              share gpu_context; gpu_plan, the variants each compiles;
                              gpu_fixtures, the checkpoints and batches
@@ -9,6 +10,14 @@
     attention_sweep          on a GPU: decode attention tiles and an 8B layer's matmuls, timed
     prefill_attention_bench  on the CPU: the C prefill attention against the decode kernel and
                              SDPA by chunk shape (where the build's prefill split comes from)
+    object_store_bench       `cbgen run` on local files against the same run from and to a
+                             bucket on a local S3 server (s3_server, which the tests use too)
+    sharegpt_rows            the peer comparison's ShareGPT workload as `cbgen run` rows
+    gguf_models              random-weight 1B- and 8B-shaped GGUF files, quantized by llama.cpp
+    quant_quality            a GGUF file's quantized path against its float path, beside
+                             llama.cpp's logits on the same file
+    llamacpp_worker          compare_peers' llama.cpp system (llama-cpp-python, extra llamacpp)
+    mem_bandwidth            the read bandwidth that bounds one-sequence decode
 
 Where a step's time goes, two kernel paths alternating in one run, and what structured outputs
 cost are `cbgen bench` options (--profile, --alternate, --structured: docs/BENCH.md).

@@ -418,6 +418,9 @@ class PartWriter:
             except StorageError as e:
                 self._error = OutputError(str(e))
                 continue
+            except Exception as e:  # anything else: the loop raises it, the thread lives on
+                self._error = OutputError(f"{loc.url}: {type(e).__name__}: {e}")
+                continue
             self.rows_written += rows
 
     def _raise(self) -> None:

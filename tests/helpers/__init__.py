@@ -7,8 +7,6 @@
     cli          `cbgen run` in a subprocess: arguments, environment, output read back
     scheduling   the scheduler tests' fake runner, requests and random workloads
     kernels      Triton kernels under the interpreter on the CPU
-    s3           a real S3 API on 127.0.0.1 (moto's server in a subprocess) for the object-storage
-                 tests
 
 Fixtures stay in tests/conftest.py, visible to every test folder.
 """

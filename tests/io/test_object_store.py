@@ -1,5 +1,5 @@
 """`cbgen run` with its input and output in object storage, against a real S3 API server on
-127.0.0.1 (moto's, started here: helpers.s3): cbgen's own clients do every request, as they would
+127.0.0.1 (moto's, started here: tools.s3_server): cbgen's own clients do every request, as they would
 to AWS, MinIO or Ceph. A round trip; a prefix of several files under --shard; a resume after
 kill -9 that loses and duplicates nothing; one run per output through a lease object (a second
 run refused, a dead run's lease taken over once it expires); the settings check; denied access,
@@ -19,14 +19,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import REPO
 from helpers.cli import Running, check_latencies, cli_env, run, tiny
-from helpers.s3 import S3Server
 
 from cbgen.io.bucket import BucketLayout
 from cbgen.io.lease import Lease, LeaseLostError, S3LeaseStore
 from cbgen.io.lock import OutputLockedError
 from cbgen.io.shard import Shard
 from cbgen.io.storage import Location, Storage, describe
+from tools.s3_server import S3Server
 
 pytestmark = pytest.mark.xdist_group("s3")
 
@@ -150,7 +151,7 @@ def test_kill_9_then_rerun_loses_and_duplicates_nothing(
     """kill -9 mid-run: the rerun is refused while the dead run's lease lasts, refused with other
     settings (exit 5), then resumes from the part objects; each row exactly once."""
     bucket = s3.bucket("resume")
-    n = 60
+    n = 400  # enough that a fast machine is still generating when the first part is up
     src = s3.put(bucket, "prompts.jsonl", jsonl(n, max_tokens=8))
     out = f"s3://{bucket}/out.parquet"
     args = [
@@ -168,8 +169,13 @@ def test_kill_9_then_rerun_loses_and_duplicates_nothing(
     ]
     env = env_for(s3, tmp_path)
     first = Running(args, env=env)
-    first.wait_for(lambda: first.rows_done() >= 10)
-    time.sleep(0.5)
+
+    def part_uploaded() -> bool:
+        return first.rows_done() >= 10 and any(
+            k.endswith(".arrows") for k in s3.keys(bucket, "out.partial/")
+        )
+
+    first.wait_for(part_uploaded)
     first.proc.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     first.finish()
@@ -355,3 +361,37 @@ def test_output_names_in_a_bucket() -> None:
     shard = BucketLayout.build("x.jsonl", "gs://b/out", Shard(3, 8), True, storage)
     assert shard.final.url == "gs://b/out/_part-00003-of-00008.parquet"
     assert shard.export is not None and shard.export.url == "gs://b/out/part-00003-of-00008.jsonl"
+
+
+def test_the_benchmark_times_local_and_bucket_runs_in_pairs(
+    tmp_path: Path, chat_model: Path
+) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(jsonl(6))
+    out = tmp_path / "figures.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.object_store_bench",
+            "--rows",
+            str(rows),
+            "--pairs",
+            "1",
+            "--out",
+            str(out),
+            "--",
+            *tiny(chat_model),
+        ],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=300,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr + r.stdout
+    figures = json.loads(out.read_text())
+    (pair,) = figures["pairs"]
+    assert pair["local"]["wall_s"] > 0 and pair["bucket"]["wall_s"] > 0
+    assert figures["median_wall_ratio"] == pair["wall_ratio"] > 0
+    assert "bucket / local throughput, median of 1 pairs" in r.stdout

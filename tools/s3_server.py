@@ -1,6 +1,7 @@
-"""A real S3 API on 127.0.0.1 for the object-storage tests: moto's server in a subprocess, which
-cbgen reaches through its own clients (pyarrow's S3FileSystem, boto3) exactly as it would reach
-AWS, MinIO or Ceph: only the endpoint differs (AWS_ENDPOINT_URL)."""
+"""A real S3 API on 127.0.0.1, for the object-storage tests (tests/io/test_object_store.py) and
+their benchmark (tools.object_store_bench): moto's server (the dev extra's moto[server]) in a
+subprocess, which cbgen reaches through its own clients (pyarrow's S3FileSystem, boto3) exactly
+as it would reach AWS, MinIO or Ceph: only the endpoint differs (AWS_ENDPOINT_URL)."""
 
 from __future__ import annotations
 
