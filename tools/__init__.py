@@ -12,6 +12,8 @@
                              SDPA by chunk shape (where the build's prefill split comes from)
     object_store_bench       `cbgen run` on local files against the same run from and to a
                              bucket on a local S3 server (s3_server, which the tests use too)
+    ray_bench                `cbgen run` against the same run under --ray with one engine, in
+                             pairs; two engines' output against the plain run's
     sharegpt_rows            the peer comparison's ShareGPT workload as `cbgen run` rows
     gguf_models              random-weight 1B- and 8B-shaped GGUF files, quantized by llama.cpp
     quant_quality            a GGUF file's quantized path against its float path, beside
