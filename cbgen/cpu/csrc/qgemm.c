@@ -80,17 +80,43 @@ typedef struct {
     int file;  /* bytes of a file block */
 } qtype;
 
+static const qtype T_Q4_0 = {4, 8, 0, 32, 32, 0, 18}, T_Q4_1 = {4, 0, 1, 32, 32, 0, 20},
+                   T_Q5_0 = {5, 16, 0, 32, 32, 0, 22}, T_Q5_1 = {5, 0, 1, 32, 32, 0, 24},
+                   T_Q8_0 = {8, 128, 0, 32, 32, 0, 34}, T_Q4_K = {4, 0, 2, 256, 32, 1, 144},
+                   T_Q5_K = {5, 0, 2, 256, 32, 1, 176}, T_Q6_K = {6, 32, 0, 256, 16, 1, 210};
+
 static int qtype_of(int type, qtype *t) {
-    static const qtype Q[] = {
-        [Q4_0] = {4, 8, 0, 32, 32, 0, 18},   [Q4_1] = {4, 0, 1, 32, 32, 0, 20},
-        [Q5_0] = {5, 16, 0, 32, 32, 0, 22},  [Q5_1] = {5, 0, 1, 32, 32, 0, 24},
-        [Q8_0] = {8, 128, 0, 32, 32, 0, 34}, [Q4_K] = {4, 0, 2, 256, 32, 1, 144},
-        [Q5_K] = {5, 0, 2, 256, 32, 1, 176}, [Q6_K] = {6, 32, 0, 256, 16, 1, 210},
+    static const qtype *const Q[] = {
+        [Q4_0] = &T_Q4_0, [Q4_1] = &T_Q4_1, [Q5_0] = &T_Q5_0, [Q5_1] = &T_Q5_1,
+        [Q8_0] = &T_Q8_0, [Q4_K] = &T_Q4_K, [Q5_K] = &T_Q5_K, [Q6_K] = &T_Q6_K,
     };
-    if (type < 0 || type > Q6_K || !Q[type].bits) return 0;
-    *t = Q[type];
+    if (type < 0 || type > Q6_K || !Q[type]) return 0;
+    *t = *Q[type];
     return 1;
 }
+
+/* A tile function's body inlined once per type with that type's constant descriptor (and once
+ * more for one row, decode's case), so that the compiler folds every field the loops test and
+ * unrolls them by their constant trip counts; the operations and their order are the same, so
+ * the bits are too. A type is known by its bits and min. */
+#define BOTH(BODY, T, R, ...)                                                                  \
+    do {                                                                                       \
+        if ((R) == 1)                                                                          \
+            BODY(&T, 1, __VA_ARGS__);                                                          \
+        else                                                                                   \
+            BODY(&T, R, __VA_ARGS__);                                                          \
+    } while (0)
+#define DISPATCH(BODY, t, R, ...)                                                              \
+    switch ((t)->bits * 4 + (t)->min) {                                                        \
+    case 16: BOTH(BODY, T_Q4_0, R, __VA_ARGS__); break;                                        \
+    case 17: BOTH(BODY, T_Q4_1, R, __VA_ARGS__); break;                                        \
+    case 18: BOTH(BODY, T_Q4_K, R, __VA_ARGS__); break;                                        \
+    case 20: BOTH(BODY, T_Q5_0, R, __VA_ARGS__); break;                                        \
+    case 21: BOTH(BODY, T_Q5_1, R, __VA_ARGS__); break;                                        \
+    case 22: BOTH(BODY, T_Q5_K, R, __VA_ARGS__); break;                                        \
+    case 24: BOTH(BODY, T_Q6_K, R, __VA_ARGS__); break;                                        \
+    default: BOTH(BODY, T_Q8_0, R, __VA_ARGS__); break;                                        \
+    }
 
 int64_t cbgen_q_isa(void) { return QISA; }
 
@@ -371,8 +397,9 @@ static float dot_ref(const qtype *t, const uint8_t *panel, int64_t SB, int j, co
 
 #if QISA == 2
 /* AVX512-VNNI: a tile of R rows x the panel's 16 columns. */
-static void tile_vnni(const qtype *t, const uint8_t *panel, int64_t SB, int R, const qrows *x,
-                      int64_t row0, float *y, int64_t ldy, const float *bias) {
+static inline __attribute__((always_inline)) void tile_vnni_body(
+    const qtype *t, int R, const uint8_t *panel, int64_t SB, const qrows *x, int64_t row0,
+    float *y, int64_t ldy, const float *bias) {
     const int64_t sbb = super_bytes(t), hb = header_bytes(t), gb = group_bytes(t);
     const int groups = t->super / QK, per = QK / t->sub, subs = t->super / t->sub;
     const int runs = t->bits == 8 ? 8 : 4, per_sub = runs / per;
@@ -458,6 +485,11 @@ static void tile_vnni(const qtype *t, const uint8_t *panel, int64_t SB, int R, c
         _mm512_storeu_ps(y + r * ldy, v);
     }
 }
+
+static void tile_vnni(const qtype *t, const uint8_t *panel, int64_t SB, int R, const qrows *x,
+                      int64_t row0, float *y, int64_t ldy, const float *bias) {
+    DISPATCH(tile_vnni_body, t, R, panel, SB, x, row0, y, ldy, bias);
+}
 #elif QISA == 1
 /* AVX2: a tile of R rows x 8 of the panel's 16 columns (half h); vpmaddubsw pairs u8 x s8 into
  * s16 (no saturation: a stored value below 64 makes a pair at most 2 x 63 x 127), vpmaddwd
@@ -485,8 +517,9 @@ static inline __m256 cvt_scales(const uint8_t *p, int is_signed) {
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
 }
 
-static void tile_avx2(const qtype *t, const uint8_t *panel, int64_t SB, int R, const qrows *x,
-                      int64_t row0, float *y, int64_t ldy, const float *bias, int half) {
+static inline __attribute__((always_inline)) void tile_avx2_body(
+    const qtype *t, int R, const uint8_t *panel, int64_t SB, const qrows *x, int64_t row0,
+    float *y, int64_t ldy, const float *bias, int half) {
     const int64_t sbb = super_bytes(t), hb = header_bytes(t), gb = group_bytes(t);
     const int groups = t->super / QK, per = QK / t->sub, subs = t->super / t->sub;
     const int runs = t->bits == 8 ? 8 : 4, per_sub = runs / per, nib = t->bits != 8;
@@ -559,6 +592,11 @@ static void tile_avx2(const qtype *t, const uint8_t *panel, int64_t SB, int R, c
         if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * half));
         _mm256_storeu_ps(y + r * ldy + 8 * half, v);
     }
+}
+
+static void tile_avx2(const qtype *t, const uint8_t *panel, int64_t SB, int R, const qrows *x,
+                      int64_t row0, float *y, int64_t ldy, const float *bias, int half) {
+    DISPATCH(tile_avx2_body, t, R, panel, SB, x, row0, y, ldy, bias, half);
 }
 #endif
 
