@@ -165,6 +165,7 @@ def ray_cluster() -> Any:
 
     ray = pytest.importorskip("ray")
     context = ray.init(
+        address="local",  # a cluster of its own, not one `ray start` left running here
         num_cpus=2,
         include_dashboard=False,
         logging_level=logging.ERROR,

@@ -21,6 +21,7 @@ lost for good: FatalError, the rows written so far kept for a rerun, as when thi
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,6 +53,11 @@ MAX_RESTARTS = 3
 ROWS_PER_SLOT = 3
 """Rows an engine holds per slot: 2 x max_num_seqs queued in the engine (the local loop's
 depth) and as many again in its inbox, so it never waits on a round trip to the driver."""
+START_GRACE_S = 30.0
+"""For this long after the first engine is ready, engines still loading their model count in
+each engine's share of the rows left (_share), so that a small input spreads over the cluster
+instead of filling the first engine ready; one that comes later (no room yet, an autoscaler)
+takes what is left then."""
 
 
 def generate_on_ray(
@@ -99,6 +105,8 @@ class _Engine:
     """Rows sent and not finished, by row index."""
     snap: ProgressSnapshot | None = None
     losses: int = 0
+    rows_made: int = 0
+    """Rows it finished (ok or failed) in this run, over its restarts."""
 
     def name(self) -> str:
         where = f" (pid {self.info.pid} on {self.info.host})" if self.info else ""
@@ -119,8 +127,11 @@ class _Driver:
         self.source = source = open_source(plan.input_path, plan.columns, plan.storage)
         self.done: KeySet = plan.layout.done_keys()
         self.tracker = ProgressTracker(0)
-        """Counts rows and tokens; made anew when the first engine is ready, so that its
-        clock (the summary's loop_s and rates) runs from there, as a local run's does."""
+        """Counts rows and tokens; its clock (the summary's loop_s and rates) restarts when the
+        first engine is ready, as a local run's starts when its engine has loaded. The input's
+        rows are counted meanwhile, for the display and for _share."""
+        count_rows_in_background(source, plan.row_filter, self.tracker)
+        self.first_ready = math.inf
         self.writer = plan.layout.staging_writer(output_schema(source.keep_types), staging_tag())
         self.feed = RowFeed(source.rows(plan.row_filter), source.may_block)
         self.exhausted = False
@@ -180,6 +191,8 @@ class _Driver:
                 self.ray.kill(e.handle, no_restart=True)
             if started:
                 self.display.stop(self.snapshot())
+                made = ", ".join(str(e.rows_made) for e in self.engines)
+                self.display.message(f"rows made by each engine: {made}")
         stats = self.tracker.run_stats()
         stats["load_s"] = self.load_s
         if self.startup_s:
@@ -222,8 +235,8 @@ class _Driver:
         if not self.describe:
             self.describe = info.describe
             self.display.message(info.describe)
-            self.tracker = ProgressTracker(0)
-            count_rows_in_background(self.source, self.plan.row_filter, self.tracker)
+            self.tracker.started = time.perf_counter()
+            self.first_ready = time.monotonic()
         self.display.message(f"{e.name()} ready after {info.load_s:.1f}s")
 
     def _take(self, e: _Engine, reply: Reply) -> None:
@@ -241,6 +254,7 @@ class _Driver:
                 self.tracker.on_row_resumed()
             else:
                 self.tracker.on_row_done(failed=outcome == "failed")
+                e.rows_made += 1
         e.snap = reply.snapshot
 
     def _lost(self, e: _Engine, err: BaseException, dead: bool) -> None:
@@ -262,13 +276,29 @@ class _Driver:
     # ---- feeding ---------------------------------------------------------------------------
     def _rows_for(self, e: _Engine) -> list[tuple[InputRow, tuple[bytes, ...]]]:
         out = []
-        while len(e.held) < self.depth and not self.stop.requested:
+        limit = self._share()
+        while len(e.held) < limit and not self.stop.requested:
             sent = self.retry.popleft() if self.retry else self._next_row()
             if sent is None:
                 break
             e.held[sent.row.row] = sent
             out.append((sent.row, sent.keys_done()))
         return out
+
+    def _share(self) -> int:
+        """Rows an engine may hold: ROWS_PER_SLOT x max_num_seqs, and where the input's size is
+        known, no more than an equal part of the rows left for the engines ready (and, within
+        START_GRACE_S of the first, those still loading). Without it the first engine ready
+        would take the first 3 x max_num_seqs rows alone: all of a small input, while the
+        other engines idle. A JSONL count errs high (blank lines), never low."""
+        total = self.tracker.rows_total
+        if total is None:
+            return self.depth  # a stream: its size is known at its end
+        ready = sum(e.info is not None for e in self.engines)
+        if time.monotonic() - self.first_ready < START_GRACE_S:
+            ready += sum(e.call is not None and e.info is None for e in self.engines)
+        left = total - self.tracker.rows_done
+        return max(1, min(self.depth, math.ceil(left / max(1, ready))))
 
     def _next_row(self) -> _Sent | None:
         """The next row of the input not written before; None when none is ready."""

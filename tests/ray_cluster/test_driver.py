@@ -30,9 +30,9 @@ SAME = ("id", "row", "sample_index", "prompt_tokens", "completion", "completion_
 SAME += ("finish_reason", "stop_reason", "error", "request_kind")
 
 
-def _ray(address: str, *more: str) -> list[str]:
-    """Two engines of one CPU each, a few slots each, so rows spread over both."""
-    return ["--ray", address, "--cpus-per-engine", "1", "--max-num-seqs", "2", *more]
+def _ray(address: str, slots: int = 2) -> list[str]:
+    """Two engines of one CPU each, a few slots each."""
+    return ["--ray", address, "--cpus-per-engine", "1", "--max-num-seqs", str(slots)]
 
 
 def test_two_engines_give_the_local_run_s_rows(
@@ -51,9 +51,13 @@ def test_two_engines_give_the_local_run_s_rows(
     local = run(["run", str(src), "-o", str(tmp_path / "local.parquet"), *tiny(chat_model)])
     assert local.returncode == 0, local.stderr
     out = tmp_path / "ray.parquet"
-    r = run(["run", str(src), "-o", str(out), *tiny(chat_model), *_ray(ray_cluster)])
+    r = run(["run", str(src), "-o", str(out), *tiny(chat_model), *_ray(ray_cluster, slots=8)])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Ray: 2 engines of 1 CPU each" in r.stdout
+    # 13 rows and room for 3 x 8 in each engine: shared, not all in the first engine ready
+    made = re.search(r"^rows made by each engine: (\d+), (\d+)$", r.stdout, re.M)
+    assert made is not None, r.stdout
+    assert min(map(int, made.groups())) > 0 and sum(map(int, made.groups())) == 13
     got, want = read_rows(out), read_rows(tmp_path / "local.parquet")
     assert [{k: g[k] for k in SAME} for g in got] == [{k: w[k] for k in SAME} for w in want]
     assert [g["error"] is not None for g in got].count(True) == 3  # the three bad rows
