@@ -54,10 +54,11 @@ def test_two_engines_give_the_local_run_s_rows(
     r = run(["run", str(src), "-o", str(out), *tiny(chat_model), *_ray(ray_cluster, slots=8)])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Ray: 2 engines of 1 CPU each" in r.stdout
-    # 13 rows and room for 3 x 8 in each engine: shared, not all in the first engine ready
+    # every row made once, by one engine or the other (how they split depends on when each
+    # finished loading: tests/ray_cluster/test_share.py checks the rule)
     made = re.search(r"^rows made by each engine: (\d+), (\d+)$", r.stdout, re.M)
     assert made is not None, r.stdout
-    assert min(map(int, made.groups())) > 0 and sum(map(int, made.groups())) == 13
+    assert sum(map(int, made.groups())) == 13
     got, want = read_rows(out), read_rows(tmp_path / "local.parquet")
     assert [{k: g[k] for k in SAME} for g in got] == [{k: w[k] for k in SAME} for w in want]
     assert [g["error"] is not None for g in got].count(True) == 3  # the three bad rows
