@@ -631,9 +631,14 @@ int cbgen_q_gemm(int64_t nseg, const int64_t *types, const int64_t *weights, con
     int32_t *sx = (int32_t *)(dx + M * KB), *lx = sx + M * KB;
     cbgen_q8_quantize(x, M, K, qx, dx, sx, lx);
     const qrows xr = {qx, dx, sx, lx, K, KB};
-    const int64_t tiles = (M + RMAX - 1) / RMAX;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t p = 0; p < first[nseg]; ++p) {
+    const int64_t tiles = (M + RMAX - 1) / RMAX, P = first[nseg];
+    /* One tile of rows (decode) reads each weight byte once and does little with it: each thread
+     * takes a contiguous run of panels, one stream the prefetchers follow. More rows: one panel
+     * at a time, so that threads finish together. */
+    const int nt = omp_get_max_threads();
+    const int64_t chunk = tiles == 1 ? (P + nt - 1) / nt : 1;
+#pragma omp parallel for schedule(dynamic, chunk)
+    for (int64_t p = 0; p < P; ++p) {
         int64_t i = 0;
         while (p >= first[i + 1]) ++i;
         const qtype *t = &ts[i];
