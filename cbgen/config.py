@@ -25,6 +25,7 @@ OpenAI's limit)."""
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 CpuWeightDtype = Literal["auto", "float32", "bfloat16", "float16"]
+KvCacheDtype = Literal["auto", "float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
 LoadFormat = Literal["auto", "dummy"]
@@ -71,6 +72,11 @@ class EngineConfig:
     matmul upcasting its weight as it runs, while activations, norms, attention and the KV
     cache stay float32 (slower; the same tokens as float32 on those weights). auto: float32,
     or the checkpoint's own bf16/fp16 when its float32 copy would not fit in memory."""
+    kv_cache_dtype: KvCacheDtype = "auto"
+    """On the CPU: the KV cache's dtype. bfloat16 holds twice the tokens of float32 in the same
+    memory (attention reads rounded K and V: not token-exact against transformers); float32
+    keeps them exact under --dtype bfloat16. auto: bfloat16 under --dtype bfloat16, else the
+    activations' dtype."""
     device: Device = "auto"
     """auto picks CUDA when available."""
     attention_backend: AttentionBackendName = "auto"
@@ -147,6 +153,12 @@ class EngineConfig:
             or (self.dtype in ("auto", "float32") and self.device != "cuda"),
             "cpu_weight_dtype",
             f"applies to float32 on the CPU, not to dtype {self.dtype} on device {self.device}",
+        )
+        _choice(self.kv_cache_dtype, "kv_cache_dtype", get_args(KvCacheDtype))
+        _check(
+            self.kv_cache_dtype == "auto" or self.device != "cuda",
+            "kv_cache_dtype",
+            f"applies to the CPU, not to device {self.device}",
         )
         _choice(self.attention_backend, "attention_backend", get_args(AttentionBackendName))
         _choice(self.load_format, "load_format", ("auto", "dummy"))

@@ -1,6 +1,6 @@
 """The cpu attention backend: the torch reference's plan, with the C kernels of
 cbgen.cpu.kernels doing the work in float32 (the auto choice on the CPU), over a float32 KV
-cache or a bfloat16 one (--dtype bfloat16: its values widened to float32 as they are read).
+cache or a bfloat16 one (--kv-cache-dtype: its values widened to float32 as they are read).
 
     new K/V             kernels.write_kv_f32: one C call from the strided K/V views of the
                         fused qkv rows

@@ -42,6 +42,7 @@ from cbgen.engine.startup import (
     profile_cuda_kv_budget,
     resolve_device,
     resolve_dtype,
+    resolve_kv_dtype,
 )
 from cbgen.engine.static_scheduler import PaddingStats, StaticScheduler
 from cbgen.engine.structured import Grammars, GrammarState, reasoning_open
@@ -88,9 +89,6 @@ class Engine:
             )
             if self.cpu_bf16 is not None:
                 self.dtype = torch.float32
-        self.kv_dtype = torch.bfloat16 if self.cpu_bf16 is not None else self.dtype
-        """The KV cache's dtype: the activations', or bf16 in the CPU's bf16 modes (half the
-        bytes a token: twice the sequences fit)."""
         limit = mc.max_position_embeddings
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
@@ -110,6 +108,10 @@ class Engine:
             sliding_window=mc.sliding_window is not None,
             logit_softcap=mc.attn_logit_softcap is not None,
         )
+        self.kv_dtype = resolve_kv_dtype(
+            config.kv_cache_dtype, self.dtype, self.cpu_bf16, self.backend.name
+        )
+        """The KV cache's dtype (resolve_kv_dtype)."""
         self.tokenizer: Any
         self.model: CausalLM
         self.runtime: Runtime
@@ -268,21 +270,30 @@ class Engine:
         return "bfloat16" if self.cpu_bf16 is not None else str(self.dtype).removeprefix("torch.")
 
     def _weight_storage(self) -> str:
+        bf16_kv = self.kv_dtype == torch.bfloat16
         if self.cpu_bf16 == "dot":
             return (
-                " (bf16 weights and KV cache, bf16 dot products in the matmuls; float32 "
-                "activations, norms, softmax and sampling)"
+                " (bf16 weights"
+                + (" and KV cache" if bf16_kv else ", float32 KV cache")
+                + ", bf16 dot products in the matmuls; float32 activations, norms, softmax and "
+                "sampling)"
             )
         if self.cpu_bf16 == "widen":
             return (
-                " (bf16 weights and KV cache widened to float32 as they are read: this CPU "
-                "has no bf16 dot products, so the arithmetic is float32's, with a widening step "
-                "on every cache read: --dtype float32 runs faster here, bf16 halves the memory)"
+                " (bf16 weights widened to float32 in the matmuls: this CPU has no bf16 dot "
+                "products, so the arithmetic is float32's and --dtype float32 runs faster here; "
+                "bf16 halves the weights' memory; "
+                + (
+                    "KV cache bf16, widened as attention reads it)"
+                    if bf16_kv
+                    else "float32 KV cache)"
+                )
             )
+        kv = " KV cache in bfloat16" if bf16_kv and self.dtype != torch.bfloat16 else ""
         if self.weight_dtype == self.dtype:
-            return ""
+            return f" ({kv.strip()})" if kv else ""
         name = str(self.weight_dtype).removeprefix("torch.")
-        return f" (weights kept in {name}, float32 arithmetic on them)"
+        return f" (weights kept in {name}, float32 arithmetic on them{',' + kv if kv else ''})"
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

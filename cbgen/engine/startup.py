@@ -42,6 +42,26 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_kv_dtype(
+    kv_cache_dtype: str, dtype: torch.dtype, cpu_bf16: str | None, backend: str
+) -> torch.dtype:
+    """The KV cache's dtype (EngineConfig.kv_cache_dtype) for activations in `dtype`, the CPU's
+    bf16 mode (cbgen.runtime.cpu_bf16_mode) and the attention backend's name. auto: bf16 in the
+    CPU's bf16 modes (half the bytes a token: twice the sequences fit; where bf16 is widened,
+    attention reads a bf16 cache as fast as a float32 one, docs/PERFORMANCE.md), else the
+    activations' dtype. A dtype of one's own needs the CPU's C attention kernels, which read
+    either cache under float32 activations."""
+    if kv_cache_dtype == "auto":
+        return torch.bfloat16 if cpu_bf16 is not None else dtype
+    want = _DTYPES[kv_cache_dtype]
+    if want != dtype and (backend != "cpu" or dtype != torch.float32):
+        raise ValueError(
+            f"kv_cache_dtype: {kv_cache_dtype} needs the CPU attention kernels under float32 "
+            f"activations (this run: attention {backend}, {str(dtype).removeprefix('torch.')})"
+        )
+    return want
+
+
 def default_cpu_kv_cache_memory() -> int:
     """A quarter of available memory, at most 4 GiB."""
     return int(min(4 * GiB, psutil.virtual_memory().available // 4))

@@ -15,7 +15,7 @@ import torch
 from helpers.models import make_tiny_hf_model
 
 from cbgen.attention import torch_backend
-from cbgen.config import SamplingParams
+from cbgen.config import EngineConfig, SamplingParams
 from cbgen.cpu import bf16, build, gemm, kernels
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
@@ -204,22 +204,67 @@ def test_dtype_bfloat16_takes_the_dot_products_where_the_cpu_has_them(
 def test_without_bf16_dot_products_bfloat16_widens_and_says_so(
     bf16_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """float32 arithmetic on the bf16 weights and the bf16 KV cache's values (how close its
-    tokens stay to float32's: test_bf16_stays_close_to_float32), and auto stays float32."""
+    """float32 arithmetic on the bf16 weights and the bf16 KV cache's values, or a float32
+    cache when asked (how close its tokens stay to float32's:
+    test_bf16_stays_close_to_float32), and auto stays float32."""
     monkeypatch.setattr(cpu_runtime, "bf16_native", lambda: False)
     engine = _engine(bf16_checkpoint, dtype="bfloat16")
     assert engine.cpu_bf16 == "widen" and engine.dtype_name == "bfloat16"
     assert "this CPU has no bf16 dot products" in engine.describe()
+    assert "KV cache bf16, widened as attention reads it" in engine.describe()
     assert engine.kv_dtype == torch.bfloat16
+    assert all(c.dtype == torch.bfloat16 for c in engine.runner.kv_caches)
     assert all(isinstance(m, PackedBf16Linear) and not m.dot for m in _methods(engine))
     assert _engine(bf16_checkpoint).cpu_bf16 is None  # auto: float32 here
     assert all(len(t) == 12 for t in _greedy(engine))
+    wide = _engine(bf16_checkpoint, dtype="bfloat16", kv_cache_dtype="float32")
+    assert wide.kv_dtype == torch.float32 and "; float32 KV cache)" in wide.describe()
+    assert engine.num_blocks == 2 * wide.num_blocks
+    assert all(c.dtype == torch.float32 for c in wide.runner.kv_caches)
+    assert all(len(t) == 12 for t in _greedy(wide))
 
 
-def test_the_one_call_decoder_serves_bf16_with_the_python_forwards_hidden_states(
-    bf16_checkpoint: Path,
+def test_kv_cache_dtype_is_the_users_choice_under_the_cpu_kernels(
+    bf16_checkpoint: Path, tiny_model_dir: Callable[[str], Path]
 ) -> None:
-    engine = _engine(bf16_checkpoint, dtype="bfloat16", max_num_batched_tokens=16)
+    """A bf16 cache under float32 weights (twice the tokens in the same memory; attention reads
+    the rounded values) and a float32 cache under bf16 dot products; a dtype of its own is
+    refused where the attention is not the CPU's C kernels."""
+    model = tiny_model_dir("llama")
+    exact = _engine(model)
+    half = _engine(model, kv_cache_dtype="bfloat16")
+    assert exact.kv_dtype == torch.float32 and half.kv_dtype == torch.bfloat16
+    assert half.num_blocks == 2 * exact.num_blocks
+    assert "float32 (KV cache in bfloat16)" in half.describe()
+    assert all(len(t) == 12 for t in _greedy(half))
+    _assert_top1_close(half, exact)
+    if bf16.native():
+        wide = _engine(bf16_checkpoint, dtype="bfloat16", kv_cache_dtype="float32")
+        assert wide.cpu_bf16 == "dot" and wide.kv_dtype == torch.float32
+        assert "bf16 weights, float32 KV cache, bf16 dot products" in wide.describe()
+        assert all(len(t) == 12 for t in _greedy(wide))
+    with pytest.raises(ValueError, match="kv_cache_dtype: bfloat16 needs the CPU attention"):
+        _engine(model, kv_cache_dtype="bfloat16", attention_backend="torch")
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):
+        EngineConfig(kv_cache_dtype="float16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kv_cache_dtype: applies to the CPU, not to device cuda"):
+        EngineConfig(kv_cache_dtype="float32", device="cuda")
+
+
+@pytest.mark.parametrize("mode", ["dot", "widen"])
+@pytest.mark.parametrize("kv", ["bfloat16", "float32"])
+def test_the_one_call_decoder_serves_bf16_with_the_python_forwards_hidden_states(
+    mode: str, kv: str, bf16_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Either weight mode over either KV cache."""
+    if mode == "dot" and not bf16.native():
+        pytest.skip("no AVX512_BF16 here: bf16 widens (the other case)")
+    if mode == "widen":
+        monkeypatch.setattr(cpu_runtime, "bf16_native", lambda: False)
+    engine = _engine(
+        bf16_checkpoint, dtype="bfloat16", kv_cache_dtype=kv, max_num_batched_tokens=16
+    )
+    assert engine.cpu_bf16 == mode and str(engine.kv_dtype) == f"torch.{kv}"
     runtime = engine.runtime
     assert isinstance(runtime, CpuRuntime) and runtime.decoder is not None
     native, model, backend = runtime.decoder, engine.model, engine.backend
@@ -250,21 +295,26 @@ def test_bf16_stays_close_to_float32(
         pytest.skip("no AVX512_BF16 here: bf16 widens (the other case)")
     if mode == "widen":
         monkeypatch.setattr(cpu_runtime, "bf16_native", lambda: False)
+    engine = _engine(bf16_checkpoint, dtype="bfloat16")
+    assert engine.cpu_bf16 == mode
+    _assert_top1_close(engine, _engine(bf16_checkpoint, dtype="float32"))
+
+
+def _assert_top1_close(engine: Engine, reference: Engine) -> None:
+    """Teacher-forced top-1 at every position of three sequences agrees on >= 90 %."""
     seqs = [p + q for p, q in zip(PROMPTS, reversed(PROMPTS), strict=True)]
-    top1 = {}
-    for dtype in ("bfloat16", "float32"):
-        engine = _engine(bf16_checkpoint, dtype=dtype)
-        assert dtype == "float32" or engine.cpu_bf16 == mode
+    top1 = []
+    for e in (engine, reference):
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-        outs = LLM(engine=engine).generate(seqs, params)
-        top1[dtype] = [
-            pos.top_logprobs[0].token_id if pos is not None else None
-            for o in outs
-            for pos in (o.prompt_logprobs or [])
-        ]
-    pairs = [
-        (a, b) for a, b in zip(top1["bfloat16"], top1["float32"], strict=True) if b is not None
-    ]
+        outs = LLM(engine=e).generate(seqs, params)
+        top1.append(
+            [
+                pos.top_logprobs[0].token_id if pos is not None else None
+                for o in outs
+                for pos in (o.prompt_logprobs or [])
+            ]
+        )
+    pairs = [(a, b) for a, b in zip(*top1, strict=True) if b is not None]
     agree = sum(a == b for a, b in pairs) / len(pairs)
     assert agree >= 0.9, f"teacher-forced top-1 agreement {agree:.3f} over {len(pairs)} positions"
 
