@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from cbgen.cpu.build import load_library
+from cbgen.cpu import build
+from cbgen.cpu.gemm import GATED_ACTIVATIONS
 
 PANEL = 32
 """Output columns per packed panel (N must be a multiple)."""
@@ -20,7 +21,7 @@ PANEL = 32
 def native() -> bool:
     """Whether the kernels' bf16 matmul uses bf16 dot products (False: it widens to float32,
     or there are no kernels)."""
-    lib = load_library()
+    lib = build.load_library()
     return lib is not None and bool(lib.cbgen_bf16_native())
 
 
@@ -31,7 +32,7 @@ def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor | None:
         raise ValueError(
             f"weight: expected a 2-D CPU tensor, got shape {list(weight.shape)} on {weight.device}"
         )
-    lib = load_library()
+    lib = build.load_library()
     n, k = weight.shape
     if lib is None or weight.dtype != torch.bfloat16 or n % PANEL:
         return None
@@ -43,12 +44,19 @@ def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def small_gemm_bf16(
-    x: torch.Tensor, panels: torch.Tensor, k: int, bias: torch.Tensor | None, dot: bool = False
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None,
+    dot: bool = False,
+    blocked_from: int = 0,
 ) -> torch.Tensor | None:
     """x [M, k] float32 @ W.T (+ bias [N] float32) for W [N, k] bfloat16 packed by
     pack_panels_bf16 into panels; float32 [M, N]; dot: bf16 dot products (see the module
-    docstring; native() says whether the build has them). None without the kernels, without
-    dot products where dot asks for them, or without memory for x's copy."""
+    docstring; native() says whether the build has them). Widened, from blocked_from rows on
+    (0: small_gemm's build default) the rows go through small_gemm's row blocks, each panel
+    widened to float32 once per block: the same bits. None without the kernels, without dot
+    products where dot asks for them, or without memory for x's copy."""
     if panels.dtype != torch.bfloat16 or panels.dim() != 3 or panels.shape[2] != PANEL:
         raise ValueError(f"panels: expected bf16 [P, K, {PANEL}], got {tuple(panels.shape)}")
     if not panels.is_contiguous():
@@ -58,7 +66,7 @@ def small_gemm_bf16(
     n = panels.shape[0] * PANEL
     if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
         raise ValueError(f"bias: expected float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
-    lib = load_library()
+    lib = build.load_library()
     if lib is None:
         return None
     if panels.shape[1] != lib.cbgen_panel_k_bf16(k):
@@ -75,6 +83,40 @@ def small_gemm_bf16(
         n,
         None if b is None else b.data_ptr(),
         int(dot),
+        blocked_from,
         y.data_ptr(),
+    )
+    return None if rc else y
+
+
+def small_gemm_gated_widened(
+    x: torch.Tensor, panels: torch.Tensor, k: int, activation: str, blocked_from: int = 0
+) -> torch.Tensor | None:
+    """act(x @ W_gate.T) * (x @ W_up.T) [M, I] for a bf16 gate-up weight [2I, k] packed by
+    pack_panels_bf16 (gate rows first), the weights widened to float32 (gemm.small_gemm_gated
+    on bf16 panels: the same bits as the activation of the widened small_gemm_bf16). None where
+    it does not serve: fewer rows than blocked_from (0: small_gemm's build default), an odd
+    number of panels, no kernels or no memory for the blocks."""
+    if panels.dtype != torch.bfloat16 or panels.dim() != 3 or panels.shape[2] != PANEL:
+        raise ValueError(f"panels: expected bf16 [P, K, {PANEL}], got {tuple(panels.shape)}")
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x: expected float32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(
+            f"activation: expected one of {sorted(GATED_ACTIVATIONS)}, got {activation!r}"
+        )
+    lib = build.load_library()
+    p, m = panels.shape[0], x.shape[0]
+    if lib is None or p % 2 or not panels.is_contiguous():
+        return None
+    if panels.shape[1] != lib.cbgen_panel_k_bf16(k):
+        raise ValueError(f"panels: packed for another k than {k}")
+    if m < (blocked_from if blocked_from > 0 else lib.cbgen_small_gemm_blocked_rows()):
+        return None
+    x = x.contiguous()
+    y = torch.empty(m, p * PANEL // 2, dtype=torch.float32)
+    act = GATED_ACTIVATIONS[activation]
+    rc = lib.cbgen_small_gemm_gated_bf16w(
+        x.data_ptr(), m, k, panels.data_ptr(), p * PANEL // 2, act, y.data_ptr()
     )
     return None if rc else y

@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from cbgen.cpu.build import load_library
+from cbgen.cpu import build
 
 TYPES = {
     "Q4_0": 2,
@@ -38,7 +38,7 @@ ISAS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 
 def isa() -> str | None:
     """The path the build's kernels take (None without the kernels)."""
-    lib = load_library()
+    lib = build.load_library()
     return None if lib is None else ISAS[int(lib.cbgen_q_isa())]
 
 
@@ -51,7 +51,7 @@ def supports(type_id: int, n: int, k: int) -> bool:
 def pack(type_id: int, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     """The file's rows of blocks (uint8 [n, k / block weights * block bytes]) repacked for q_gemm; None
     without the kernels or where the type or shape is not taken."""
-    lib = load_library()
+    lib = build.load_library()
     if lib is None or not supports(type_id, n, k):
         return None
     weights, size = BLOCKS[type_id]
@@ -72,7 +72,7 @@ def quantize_rows(
     """x [M, K] float32 as the kernels quantize it: q int8 [M, K], d float32 [M, K / 32]
     (max|x| / 127 per block), s int32 [M, K / 32] (the block's sum of q) and l int32 (the sum
     of its first 16)."""
-    lib = load_library()
+    lib = build.load_library()
     if lib is None:
         return None
     x = _rows(x)
@@ -108,7 +108,7 @@ class PackedWeight:
     for all of them."""
 
     def __init__(self, segments: list[tuple[int, torch.Tensor, int]], k: int) -> None:
-        lib = load_library()
+        lib = build.load_library()
         if lib is None:
             raise RuntimeError("quantized weights: the CPU kernels are not built")
         if not 0 < len(segments) <= MAX_SEGMENTS:

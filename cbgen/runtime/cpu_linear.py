@@ -9,7 +9,9 @@ layout of the kernel that serves it. A float32 weight (PackedF32Linear):
 A gated MLP's gate-up projection may also apply its activation to small_gemm's tiles as they
 are computed (apply_gated): the [T, 2I] product is never written.
 
-A bfloat16 weight (PackedBf16Linear): bf16 panels, float32 activations in and out.
+A bfloat16 weight (PackedBf16Linear): bf16 panels, float32 activations in and out; widened to
+float32 (no bf16 dot products), prompt-sized rows go through small_gemm's row blocks, a panel
+widened once per block, and the gate-up projection applies its activation there too.
 """
 
 from __future__ import annotations
@@ -115,6 +117,14 @@ class PackedBf16Linear:
         # what the kernel refuses: torch's matmul on the weight, rebuilt from the panels where
         # the layer no longer holds it (the runtime frees it once packed)
         return TORCH_LINEAR.apply(x, weight if weight.numel() else self.unpack(), bias)
+
+    def apply_gated(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """Widened (not dot): prompt-sized rows through small_gemm's row blocks, each panel
+        widened to float32 once per block, the activation on the tiles (the same bits as the
+        widened product and then the activation)."""
+        if self.dot or x.dim() != 2 or x.dtype != torch.float32:
+            return None
+        return bf16.small_gemm_gated_widened(x, self.panels, self.k, activation)
 
     def unpack(self) -> torch.Tensor:
         """The weight [N, k] the panels were packed from (k in pairs: [P, K2, 32, 2])."""

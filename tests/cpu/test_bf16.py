@@ -80,6 +80,49 @@ def test_bf16_dot_products_give_the_bits_of_the_instruction(m: int, n: int, k: i
     assert with_bias is not None and torch.equal(with_bias, got + bias)
 
 
+@pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize(("m", "n", "k"), [(300, 64, 577), (17, 96, 64), (700, 32, 1536)])
+def test_widened_tall_batches_through_row_blocks_give_the_same_bits(m: int, n: int, k: int) -> None:
+    """Widened, prompt-sized rows go through small_gemm's row blocks, each bf16 panel widened
+    to float32 once per block: forced from one row on, at the build's default, and kept off,
+    the same bits (and small_gemm's on the upcast weight); 700 rows of k 1,536 take several
+    blocks, odd k a padded pair."""
+    weight, x, bias = _case(m, n, k, seed=m + k)
+    panels = bf16.pack_panels_bf16(weight)
+    assert panels is not None
+    plain = bf16.small_gemm_bf16(x, panels, k, bias, dot=False, blocked_from=1 << 40)
+    f32 = gemm.pack_panels(weight.float())
+    assert plain is not None and f32 is not None
+    assert torch.equal(plain, gemm.small_gemm(x, f32, bias))
+    for blocked_from in (1, 0):
+        got = bf16.small_gemm_bf16(x, panels, k, bias, dot=False, blocked_from=blocked_from)
+        assert got is not None and torch.equal(got, plain), blocked_from
+
+
+@pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize(
+    ("activation", "separate"), [("silu", "silu_mul"), ("gelu_tanh", "gelu_tanh_mul")]
+)
+def test_the_widened_gated_matmul_gives_the_bits_of_the_matmul_then_the_activation(
+    activation: str, separate: str
+) -> None:
+    """The bf16 gate-up matmul, widened, with the activation on its tiles: the widened product's
+    bits, then the activation pass's; fewer rows than the blocks start at are not its job."""
+    inter, k = 64, 577
+    weight, x, _ = _case(300, 2 * inter, k, seed=21)
+    panels = bf16.pack_panels_bf16(weight)
+    assert panels is not None
+    blocked = gemm.build_small_gemm_blocked_rows()
+    for m, blocked_from in ((blocked, 0), (blocked + 7, 0), (300, 0), (1, 1), (7, 1)):
+        got = bf16.small_gemm_gated_widened(x[:m], panels, k, activation, blocked_from)
+        product = bf16.small_gemm_bf16(x[:m], panels, k, None, dot=False)
+        assert got is not None and product is not None
+        assert torch.equal(got, getattr(kernels, separate)(product)), m
+    assert bf16.small_gemm_gated_widened(x[: blocked - 1], panels, k, activation) is None
+    with pytest.raises(ValueError, match="activation: expected one of"):
+        bf16.small_gemm_gated_widened(x, panels, k, "relu")
+
+
 def test_a_bf16_row_does_not_depend_on_its_batch() -> None:
     weight, x, _ = _case(37, 96, 200, seed=5)
     panels = bf16.pack_panels_bf16(weight)

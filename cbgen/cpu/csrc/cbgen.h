@@ -63,13 +63,17 @@ int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float
                                int act, float *y);
 int64_t cbgen_small_gemm_max_rows(void);
 int64_t cbgen_small_gemm_blocked_rows(void);
+int cbgen_small_gemm_blocked_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *wp,
+                                   int64_t N, const float *bias, float *y);
+int cbgen_small_gemm_gated_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *wp,
+                                 int64_t I, int act, float *y);
 
 /* small_gemm_bf16.c: matmuls over bfloat16 weight panels (x, y float32) */
 int64_t cbgen_bf16_native(void);
 int64_t cbgen_panel_k_bf16(int64_t K);
 void cbgen_pack_panels_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp);
 int cbgen_small_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
-                          const float *bias, int dot, float *y);
+                          const float *bias, int dot, int64_t blocked_from, float *y);
 
 /* qgemm.c: matmuls over GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
  * Q6_K) in their blocks, x quantized to 8 bits */

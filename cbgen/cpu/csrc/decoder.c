@@ -46,7 +46,7 @@ static int matmul(const cbgen_decoder_f32 *m, const float *x, int64_t T, int64_t
         const cbgen_qweight *q = (const cbgen_qweight *)(const void *)w;
         return cbgen_q_gemm(q->nseg, q->types, q->weights, q->rows, x, T, K, bias, y, 0);
     }
-    return cbgen_small_gemm_bf16(x, T, K, (const uint16_t *)w, N, bias, m->weights == 2, y);
+    return cbgen_small_gemm_bf16(x, T, K, (const uint16_t *)w, N, bias, m->weights == 2, 0, y);
 }
 
 static int gated(const cbgen_decoder_f32 *m, const float *x, int64_t T, int64_t H,

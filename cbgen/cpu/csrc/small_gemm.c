@@ -34,6 +34,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cbgen.h"
 #include "gated.h" /* silu_mul_vn, gelu_tanh_mul_vn */
@@ -210,6 +211,24 @@ static void pack_block(const float *x, int64_t rows, int64_t K, float *ap) {
 
 #define PLAIN (-1) /* small_gemm_blocked's act for a plain matmul */
 
+/* bfloat16 panels (small_gemm_bf16.c's: wp16[p][k2][j][e], k in pairs, K rounded up to even)
+ * widened into float32 panel p of this file's layout (out[k][j]): a bf16 is the top half of a
+ * float32. Each tall-batch call widens a panel once per row block, into L1, and the kernel
+ * above then runs on it: the same FMAs on the same values as small_gemm_bf16.c's widening
+ * kernels, so the same bits, at float32's speed where those kernels are slower (AVX2: their
+ * even and odd weight vectors do not fit the 16 registers beside a 6 x 16 tile). */
+static void widen_panel(const uint16_t *wp16, int64_t p, int64_t K, float *out) {
+    const int64_t K2 = (K + 1) / 2;
+    const uint32_t *pairs = (const uint32_t *)(const void *)(wp16 + p * K2 * 2 * NR);
+    for (int64_t k2 = 0; k2 < K2; ++k2)
+        for (int64_t j = 0; j < NR; ++j) {
+            const uint32_t w = pairs[k2 * NR + j];
+            const uint32_t lo = w << 16, hi = w & 0xffff0000u;
+            memcpy(out + 2 * k2 * NR + j, &lo, 4);
+            if (2 * k2 + 1 < K) memcpy(out + (2 * k2 + 1) * NR + j, &hi, 4);
+        }
+}
+
 /* The blocked path: y[M, N] = x W^T (+ bias) for act PLAIN; with act 0 (SiLU) or 1 (GELU's tanh
  * form), y[M, N] = act(x W_gate^T) * (x W_up^T) for a gate-up weight [2N, K] packed as one (its
  * gate panels, then its up panels). Then each thread takes the gate panel and the up panel of
@@ -217,15 +236,19 @@ static void pack_block(const float *x, int64_t rows, int64_t K, float *ap) {
  * to y, so the gate-up product (T x 2I floats: 25 MB for a 2,048-token chunk of SmolLM2) is never
  * written and read back; the activation is activation.c's (gated.h): the same bits as the two
  * passes. Returns 0, or -1 when a block buffer could not be allocated (y not written). */
-static int small_gemm_blocked(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
-                              const float *bias, int act, float *y) {
+static int small_gemm_blocked(const float *x, int64_t M, int64_t K, const float *wp,
+                              const uint16_t *wp16, int64_t N, const float *bias, int act,
+                              float *y) {
     const int threads = omp_get_max_threads();
     const int64_t mc = block_rows(K), P = N / NR;
-    float *bufs = block_buffers(threads * mc * K);
+    /* per thread: its row block, then with bf16 panels (wp16) two widened float32 panels */
+    const int64_t each = mc * K + (wp16 ? 2 * K * NR : 0);
+    float *bufs = block_buffers(threads * each);
     if (!bufs) return -1;
 #pragma omp parallel num_threads(threads)
     {
-        float *ap = bufs + omp_get_thread_num() * mc * K;
+        float *ap = bufs + omp_get_thread_num() * each;
+        float *wide = ap + mc * K;
         float tg[MR_MAX][TN] __attribute__((aligned(64)));
         float tu[MR_MAX][TN] __attribute__((aligned(64)));
         for (int64_t i0 = 0; i0 < M; i0 += mc) {
@@ -237,8 +260,16 @@ static int small_gemm_blocked(const float *x, int64_t M, int64_t K, const float 
              * 2-vCPU VM) */
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t p = 0; p < P; ++p) {
-                const float *panel = wp + p * K * NR;
-                const float *up = act == PLAIN ? 0 : wp + (P + p) * K * NR;
+                const float *panel, *up;
+                if (wp16) {
+                    widen_panel(wp16, p, K, wide);
+                    if (act != PLAIN) widen_panel(wp16, P + p, K, wide + K * NR);
+                    panel = wide;
+                    up = act == PLAIN ? 0 : wide + K * NR;
+                } else {
+                    panel = wp + p * K * NR;
+                    up = act == PLAIN ? 0 : wp + (P + p) * K * NR;
+                }
                 const float *b = bias ? bias + p * NR : 0;
                 for (int64_t t = 0; t * MR_MAX < rows; ++t) {
                     const int64_t left = rows - t * MR_MAX, n = left < MR_MAX ? left : MR_MAX;
@@ -270,7 +301,21 @@ static int small_gemm_blocked(const float *x, int64_t M, int64_t K, const float 
  * Returns 0, or -1 when a block buffer could not be allocated (y not written). */
 int cbgen_small_gemm_gated_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t I,
                                int act, float *y) {
-    return small_gemm_blocked(x, M, K, wp, I, 0, act ? 1 : 0, y);
+    return small_gemm_blocked(x, M, K, wp, 0, I, 0, act ? 1 : 0, y);
+}
+
+/* The two blocked calls above on bfloat16 panels packed by cbgen_pack_panels_bf16 (the same
+ * bits as small_gemm_bf16.c's widening kernels): y[M, N] = x W^T (+ bias), and the gated form
+ * over a gate-up weight [2I, K] packed as one. Returns 0, or -1 when a buffer could not be
+ * allocated (y not written). */
+int cbgen_small_gemm_blocked_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *wp,
+                                   int64_t N, const float *bias, float *y) {
+    return small_gemm_blocked(x, M, K, 0, wp, N, bias, PLAIN, y);
+}
+
+int cbgen_small_gemm_gated_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *wp,
+                                 int64_t I, int act, float *y) {
+    return small_gemm_blocked(x, M, K, 0, wp, I, 0, act ? 1 : 0, y);
 }
 
 /* From how many rows on the blocked path serves, by this build's default (the caller passes
@@ -283,7 +328,7 @@ int64_t cbgen_small_gemm_blocked_rows(void) { return BLOCKED_ROWS; }
 void cbgen_small_gemm_f32(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                           const float *bias, int64_t blocked_from, float *y) {
     if (blocked_from <= 0) blocked_from = BLOCKED_ROWS;
-    if (M >= blocked_from && small_gemm_blocked(x, M, K, wp, N, bias, PLAIN, y) == 0) return;
+    if (M >= blocked_from && small_gemm_blocked(x, M, K, wp, 0, N, bias, PLAIN, y) == 0) return;
     const int64_t P = N / NR;
     /* tile t takes rows [m, m + rows): the rows left shared evenly by the tiles left */
     const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;

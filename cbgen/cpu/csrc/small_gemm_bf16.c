@@ -193,13 +193,18 @@ static const dot_fn DOTS[MR_MAX + 1] = {0,      dot_1,  dot_2,  dot_3,  dot_4,  
 
 
 /* x [M, K] and y [M, N] contiguous float32, N a multiple of 32, bias [N] or NULL, wp packed by
- * cbgen_pack_panels_bf16; dot 1: bf16 dot products (AVX512_BF16 builds), 0: widen. 0, -1 when a
- * buffer for x could not be allocated, -2 for dot in a build without it. */
+ * cbgen_pack_panels_bf16; dot 1: bf16 dot products (AVX512_BF16 builds), 0: widen, from
+ * blocked_from rows on (<= 0: small_gemm.c's default) through small_gemm.c's row blocks, each
+ * panel widened into float32 once per block (the same bits). 0, -1 when a buffer for x could
+ * not be allocated, -2 for dot in a build without it. */
 int cbgen_small_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
-                          const float *bias, int dot, float *y) {
+                          const float *bias, int dot, int64_t blocked_from, float *y) {
     const int64_t P = N / NR, Kp = cbgen_panel_k_bf16(K), K2 = Kp / 2;
     const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;
     if (dot && !DOT) return -2;
+    if (blocked_from <= 0) blocked_from = cbgen_small_gemm_blocked_rows();
+    if (!dot && M >= blocked_from && cbgen_small_gemm_blocked_bf16w(x, M, K, wp, N, bias, y) == 0)
+        return 0;
     const void *rows = x;
     int64_t ldx = K;
 #if DOT
