@@ -89,14 +89,21 @@ def small_gemm_bf16(
     return None if rc else y
 
 
-def small_gemm_gated_widened(
-    x: torch.Tensor, panels: torch.Tensor, k: int, activation: str, blocked_from: int = 0
+def small_gemm_gated_bf16(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    k: int,
+    activation: str,
+    dot: bool = False,
+    blocked_from: int = 0,
 ) -> torch.Tensor | None:
     """act(x @ W_gate.T) * (x @ W_up.T) [M, I] for a bf16 gate-up weight [2I, k] packed by
-    pack_panels_bf16 (gate rows first), the weights widened to float32 (gemm.small_gemm_gated
-    on bf16 panels: the same bits as the activation of the widened small_gemm_bf16). None where
-    it does not serve: fewer rows than blocked_from (0: small_gemm's build default), an odd
-    number of panels, no kernels or no memory for the blocks."""
+    pack_panels_bf16 (gate rows first), in one pass that never writes the gate-up product: the
+    same bits as small_gemm_bf16 in the same mode, then the activation pass (kernels.silu_mul,
+    gelu_tanh_mul). dot: bf16 dot products, any number of rows; widened: gemm.small_gemm_gated
+    on the panels widened once per row block, from blocked_from rows on (0: small_gemm's build
+    default). None where it does not serve: fewer rows than that, an odd number of panels, no
+    kernels, no dot products in the build, or no memory for x's copy."""
     if panels.dtype != torch.bfloat16 or panels.dim() != 3 or panels.shape[2] != PANEL:
         raise ValueError(f"panels: expected bf16 [P, K, {PANEL}], got {tuple(panels.shape)}")
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
@@ -111,12 +118,13 @@ def small_gemm_gated_widened(
         return None
     if panels.shape[1] != lib.cbgen_panel_k_bf16(k):
         raise ValueError(f"panels: packed for another k than {k}")
-    if m < (blocked_from if blocked_from > 0 else lib.cbgen_small_gemm_blocked_rows()):
+    if not dot and m < (blocked_from if blocked_from > 0 else lib.cbgen_small_gemm_blocked_rows()):
         return None
     x = x.contiguous()
-    y = torch.empty(m, p * PANEL // 2, dtype=torch.float32)
-    act = GATED_ACTIVATIONS[activation]
-    rc = lib.cbgen_small_gemm_gated_bf16w(
-        x.data_ptr(), m, k, panels.data_ptr(), p * PANEL // 2, act, y.data_ptr()
+    i = p * PANEL // 2
+    y = torch.empty(m, i, dtype=torch.float32)
+    kernel = lib.cbgen_small_gemm_gated_bf16_dot if dot else lib.cbgen_small_gemm_gated_bf16w
+    rc = kernel(
+        x.data_ptr(), m, k, panels.data_ptr(), i, GATED_ACTIVATIONS[activation], y.data_ptr()
     )
     return None if rc else y

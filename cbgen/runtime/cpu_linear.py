@@ -11,7 +11,7 @@ are computed (apply_gated): the [T, 2I] product is never written.
 
 A bfloat16 weight (PackedBf16Linear): bf16 panels, float32 activations in and out; widened to
 float32 (no bf16 dot products), prompt-sized rows go through small_gemm's row blocks, a panel
-widened once per block, and the gate-up projection applies its activation there too.
+widened once per block; either way the gate-up projection applies its activation on its tiles.
 """
 
 from __future__ import annotations
@@ -119,12 +119,12 @@ class PackedBf16Linear:
         return TORCH_LINEAR.apply(x, weight if weight.numel() else self.unpack(), bias)
 
     def apply_gated(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
-        """Widened (not dot): prompt-sized rows through small_gemm's row blocks, each panel
-        widened to float32 once per block, the activation on the tiles (the same bits as the
-        widened product and then the activation)."""
-        if self.dot or x.dim() != 2 or x.dtype != torch.float32:
+        """The activation on the product's tiles (the same bits as the product and then the
+        activation): with dot products for any rows; widened, prompt-sized rows through
+        small_gemm's row blocks, each panel widened to float32 once per block."""
+        if x.dim() != 2 or x.dtype != torch.float32:
             return None
-        return bf16.small_gemm_gated_widened(x, self.panels, self.k, activation)
+        return bf16.small_gemm_gated_bf16(x, self.panels, self.k, activation, self.dot)
 
     def unpack(self) -> torch.Tensor:
         """The weight [N, k] the panels were packed from (k in pairs: [P, K2, 32, 2])."""

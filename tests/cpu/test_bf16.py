@@ -103,24 +103,33 @@ def test_widened_tall_batches_through_row_blocks_give_the_same_bits(m: int, n: i
 @pytest.mark.parametrize(
     ("activation", "separate"), [("silu", "silu_mul"), ("gelu_tanh", "gelu_tanh_mul")]
 )
-def test_the_widened_gated_matmul_gives_the_bits_of_the_matmul_then_the_activation(
+def test_the_gated_bf16_matmul_gives_the_bits_of_the_matmul_then_the_activation(
     activation: str, separate: str
 ) -> None:
-    """The bf16 gate-up matmul, widened, with the activation on its tiles: the widened product's
-    bits, then the activation pass's; fewer rows than the blocks start at are not its job."""
+    """The bf16 gate-up matmul with the activation on its tiles, widened and with dot products
+    (where the build has them): the product's bits in the same mode, then the activation
+    pass's. Widened, fewer rows than the blocks start at are not its job; dot serves any."""
     inter, k = 64, 577
     weight, x, _ = _case(300, 2 * inter, k, seed=21)
     panels = bf16.pack_panels_bf16(weight)
     assert panels is not None
     blocked = gemm.build_small_gemm_blocked_rows()
     for m, blocked_from in ((blocked, 0), (blocked + 7, 0), (300, 0), (1, 1), (7, 1)):
-        got = bf16.small_gemm_gated_widened(x[:m], panels, k, activation, blocked_from)
+        got = bf16.small_gemm_gated_bf16(x[:m], panels, k, activation, False, blocked_from)
         product = bf16.small_gemm_bf16(x[:m], panels, k, None, dot=False)
         assert got is not None and product is not None
         assert torch.equal(got, getattr(kernels, separate)(product)), m
-    assert bf16.small_gemm_gated_widened(x[: blocked - 1], panels, k, activation) is None
+    assert bf16.small_gemm_gated_bf16(x[: blocked - 1], panels, k, activation) is None
     with pytest.raises(ValueError, match="activation: expected one of"):
-        bf16.small_gemm_gated_widened(x, panels, k, "relu")
+        bf16.small_gemm_gated_bf16(x, panels, k, "relu")
+    if not bf16.native():
+        assert bf16.small_gemm_gated_bf16(x, panels, k, activation, dot=True) is None
+        pytest.skip("no AVX512_BF16 in this build: the dot path is not compiled")
+    for m in (1, 5, 17, 300):
+        got = bf16.small_gemm_gated_bf16(x[:m], panels, k, activation, dot=True)
+        product = bf16.small_gemm_bf16(x[:m], panels, k, None, dot=True)
+        assert got is not None and product is not None
+        assert torch.equal(got, getattr(kernels, separate)(product)), m
 
 
 def test_a_bf16_row_does_not_depend_on_its_batch() -> None:

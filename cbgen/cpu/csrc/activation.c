@@ -45,3 +45,16 @@
 
 GATED(cbgen_silu_mul_f32, silu_mul_vn)
 GATED(cbgen_gelu_tanh_mul_f32, gelu_tanh_mul_vn)
+
+/* y[r, :NR] = act(g[r, :NR]) * u[r, :NR] for the rows of a tile of 32 columns (g and u with rows
+ * of 32, y with rows of ldy), act 0: SiLU, 1: GELU's tanh form: for a gate-up matmul that applies
+ * the activation to its tiles in a file built with other flags (small_gemm_bf16.c), compiled here
+ * so that its bits are this file's. */
+void cbgen_gated_tile(const float *g, const float *u, int64_t rows, int act, float *y,
+                      int64_t ldy) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int v = 0; v < 32; v += VN) {
+            const vn gv = *(const vnu *)(g + r * 32 + v), uv = *(const vnu *)(u + r * 32 + v);
+            *(vnu *)(y + r * ldy + v) = act ? gelu_tanh_mul_vn(gv, uv) : silu_mul_vn(gv, uv);
+        }
+}

@@ -74,6 +74,8 @@ int64_t cbgen_panel_k_bf16(int64_t K);
 void cbgen_pack_panels_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *wp);
 int cbgen_small_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                           const float *bias, int dot, int64_t blocked_from, float *y);
+int cbgen_small_gemm_gated_bf16_dot(const float *x, int64_t M, int64_t K, const uint16_t *wp,
+                                    int64_t I, int act, float *y);
 
 /* qgemm.c: matmuls over GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
  * Q6_K) in their blocks, x quantized to 8 bits */

@@ -30,4 +30,8 @@ static inline vn gelu_tanh_mul_vn(vn g, vn u) {
     return num / (1.0f + e) * u;
 }
 
+/* activation.c: the activation over a tile of 32 columns, with activation.c's bits */
+void cbgen_gated_tile(const float *g, const float *u, int64_t rows, int act, float *y,
+                      int64_t ldy);
+
 #endif

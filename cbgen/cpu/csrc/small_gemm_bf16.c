@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "cbgen.h"
+#include "gated.h" /* cbgen_gated_tile */
 #include "thread_buffer.h"
 
 #if defined(__AVX512BF16__)
@@ -264,4 +265,49 @@ int cbgen_small_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *
     }
     }
     return 0;
+}
+
+/* y[M, I] = act(x W_gate^T) * (x W_up^T) under dot products, for a gate-up weight [2I, K]
+ * packed as one (its gate panels, then its up panels), act 0: SiLU, 1: GELU's tanh form. Each
+ * thread takes a gate panel and the up panel of the same 32 columns: a row tile's two products
+ * go to scratch tiles in L1 and the activation (activation.c's, compiled there) to y, so the
+ * gate-up product is never written and read back: the same bits as the product, then the
+ * activation pass. Returns 0, -1 when x's buffer could not be allocated, -2 in a build without dot
+ * products. */
+int cbgen_small_gemm_gated_bf16_dot(const float *x, int64_t M, int64_t K, const uint16_t *wp,
+                                    int64_t I, int act, float *y) {
+#if DOT
+    const int64_t P = I / NR, Kp = cbgen_panel_k_bf16(K), K2 = Kp / 2;
+    const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;
+    uint32_t *xp = thread_buffer(M * K2 * (int64_t)sizeof(uint32_t));
+    if (!xp) return -1;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t k2 = 0; k2 < K2; ++k2) {
+                const uint32_t lo = to_bf16(x[m * K + 2 * k2]);
+                const uint32_t hi = 2 * k2 + 1 < K ? to_bf16(x[m * K + 2 * k2 + 1]) : 0;
+                xp[m * K2 + k2] = lo | hi << 16;
+            }
+        float tg[MR_MAX][NR] __attribute__((aligned(64)));
+        float tu[MR_MAX][NR] __attribute__((aligned(64)));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < P; ++p) {
+            const uint16_t *gate = wp + p * Kp * NR, *up = wp + (P + p) * Kp * NR;
+            int64_t m = 0;
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t n = (M - m) / (tiles - t);
+                DOTS[n](xp + m * K2, K2, gate, 0, tg[0], NR, 0);
+                DOTS[n](xp + m * K2, K2, up, 0, tu[0], NR, 0);
+                cbgen_gated_tile(tg[0], tu[0], n, act, y + m * I + p * NR, I);
+                m += n;
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)M, (void)K, (void)wp, (void)I, (void)act, (void)y;
+    return -2;
+#endif
 }
