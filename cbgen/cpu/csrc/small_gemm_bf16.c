@@ -59,6 +59,15 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* A row of x [K] as K2 bf16 pairs (the low half k, the high half k + 1; 0 past K). */
+static inline void round_pairs(const float *x, int64_t K, int64_t K2, uint32_t *xp) {
+    for (int64_t k2 = 0; k2 < K2; ++k2) {
+        const uint32_t lo = to_bf16(x[2 * k2]);
+        const uint32_t hi = 2 * k2 + 1 < K ? to_bf16(x[2 * k2 + 1]) : 0;
+        xp[k2] = lo | hi << 16;
+    }
+}
+
 /* Length of k in the packed panels: K rounded up to even. */
 int64_t cbgen_panel_k_bf16(int64_t K) { return (K + 1) / 2 * 2; }
 
@@ -232,12 +241,7 @@ int cbgen_small_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *
 #if DOT
         if (dot) { /* x's bf16 pairs, in the same parallel region as the matmul (one barrier) */
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; ++m)
-                for (int64_t k2 = 0; k2 < K2; ++k2) {
-                    const uint32_t lo = to_bf16(x[m * K + 2 * k2]);
-                    const uint32_t hi = 2 * k2 + 1 < K ? to_bf16(x[m * K + 2 * k2 + 1]) : 0;
-                    xp[m * K2 + k2] = lo | hi << 16;
-                }
+            for (int64_t m = 0; m < M; ++m) round_pairs(x + m * K, K, K2, xp + m * K2);
         }
 #endif
 #pragma omp for schedule(dynamic, 1)
@@ -284,12 +288,7 @@ int cbgen_small_gemm_gated_bf16_dot(const float *x, int64_t M, int64_t K, const 
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t k2 = 0; k2 < K2; ++k2) {
-                const uint32_t lo = to_bf16(x[m * K + 2 * k2]);
-                const uint32_t hi = 2 * k2 + 1 < K ? to_bf16(x[m * K + 2 * k2 + 1]) : 0;
-                xp[m * K2 + k2] = lo | hi << 16;
-            }
+        for (int64_t m = 0; m < M; ++m) round_pairs(x + m * K, K, K2, xp + m * K2);
         float tg[MR_MAX][NR] __attribute__((aligned(64)));
         float tu[MR_MAX][NR] __attribute__((aligned(64)));
 #pragma omp for schedule(dynamic, 1)
