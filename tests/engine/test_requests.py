@@ -106,6 +106,7 @@ BAD_ENGINE_CONFIG: list[tuple[str, Any]] = [
     ("revision", ""), ("revision", 3), ("download_dir", ""),
     ("enforce_eager", "yes"), ("dequantize", 1),
     ("cpu_weight_dtype", "fp8"),
+    ("kv_cache_dtype", "fp8"), ("kv_cache_dtype", 16),
 ]  # fmt: skip
 
 
