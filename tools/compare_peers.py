@@ -250,7 +250,7 @@ def build_workload(model_dir: Path, args: argparse.Namespace, path: Path) -> dic
                 "output_len": args.max_output_len if args.exact_output_len else r.output_len,
             }
         )
-    path.write_text(json.dumps({"requests": requests}))
+    path.write_text(json.dumps({"kind": args.workload_kind, "requests": requests}))
     return workload_stats(path)
 
 
@@ -680,7 +680,8 @@ def main(argv: list[str] | None = None) -> None:
         "peak": peak,
         "workload": dict(
             w,
-            kind=args.workload_kind,
+            # the kind the file was built as (files from before it was stored: "file")
+            kind=json.loads(workload.read_text()).get("kind", "file"),
             gflop=gflop,
             gflop_attention=attn,
             ceiling_tokens_per_s=ceiling,

@@ -142,8 +142,12 @@ def test_compare_peers_runs_cbgen_in_the_dtype_asked_for(
     """--dtype bfloat16: cbgen's worker runs its bf16 path (its start-up line says so), and
     vLLM is asked for the same dtype as well as for its own default (vllm-default)."""
     summary = run_compare_peers(
-        tmp_path, peer_model_dir, "cbgen,vllm,vllm-default", "--dtype", "bfloat16"
-    )
+        tmp_path, peer_model_dir, "cbgen,vllm,vllm-default", "--dtype", "bfloat16",
+        "--workload-kind", "32-sequences",
+    )  # fmt: skip
+    # the kind is stored in workload.json and read back from it (as when --workload reuses it)
+    assert summary["workload"]["kind"] == "32-sequences"
+    assert json.loads((tmp_path / "workload.json").read_text())["kind"] == "32-sequences"
     runs = summary["runs"]
     assert runs["cbgen"]["ok"] and " on cpu bfloat16 (" in runs["cbgen"]["detail"]
     out = capsys.readouterr().out
