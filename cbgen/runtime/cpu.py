@@ -79,6 +79,8 @@ class CpuRuntime(Runtime):
         head = "float32" if self.exact_head is None else self.exact_head.DESCRIPTION
         if isinstance(self.model.head_method, QuantLinear):
             head = "in its GGUF blocks"
+        elif isinstance(self.model.head_method, PackedBf16Linear):
+            head = "bf16 panels" + (", bf16 dot products" if self.model.head_method.dot else "")
         steps = (
             "layer by layer"
             if self.decoder is None

@@ -237,6 +237,7 @@ def test_dtype_bfloat16_takes_the_dot_products_where_the_cpu_has_them(
     assert engine.dtype_name == "bfloat16" and engine.weight_dtype == torch.bfloat16
     assert all(isinstance(m, PackedBf16Linear) and m.dot for m in _methods(engine))
     assert "on cpu bfloat16 (bf16 weights and KV cache, bf16 dot products" in engine.describe()
+    assert "; LM head bf16 panels, bf16 dot products;" in engine.describe()
     assert engine.kv_dtype == torch.bfloat16
     assert all(c.dtype == torch.bfloat16 for c in engine.runner.kv_caches)
     float32 = _engine(bf16_checkpoint, dtype="float32")
@@ -264,6 +265,7 @@ def test_without_bf16_dot_products_bfloat16_widens_and_says_so(
     assert engine.cpu_bf16 == "widen" and engine.dtype_name == "bfloat16"
     assert "this CPU has no bf16 dot products" in engine.describe()
     assert "KV cache bf16, widened as attention reads it" in engine.describe()
+    assert "; LM head bf16 panels;" in engine.describe()
     assert engine.kv_dtype == torch.bfloat16
     assert all(c.dtype == torch.bfloat16 for c in engine.runner.kv_caches)
     assert all(isinstance(m, PackedBf16Linear) and not m.dot for m in _methods(engine))
