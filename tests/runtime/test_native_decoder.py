@@ -141,6 +141,28 @@ def test_weights_kept_in_bf16_take_the_one_call_through_the_widened_matmul(
     assert checked.declined == 0 and len(checked.served) > 10
 
 
+@pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.parametrize("dot", [False, True], ids=["widened", "dot"])
+def test_bf16_panels_take_the_gated_forms_in_the_one_call(
+    kind: str, dot: bool, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    """bf16 panels' gate-up with its activation on the tiles in the C pass: with dot products
+    (--dtype bfloat16 where the build has them) at every step, widened from the row blocks on
+    (8 rows here): the Python forward's hidden states bit for bit."""
+    from cbgen.cpu import bf16
+
+    if dot and not bf16.native():
+        pytest.skip("no bf16 dot products in this build")
+    options: dict[str, Any] = {"dtype": "bfloat16"} if dot else {"cpu_weight_dtype": "bfloat16"}
+    engine = tiny_engine(tiny_model_dir(kind), max_num_batched_tokens=24, **options)
+    checked = Checked(engine)
+    assert checked.native.weights == (2 if dot else 1)
+    cpu_runtime(engine).thresholds.blocked_rows = 8
+    assert all(len(t) == 20 for t in _generate(engine, PROMPTS))
+    assert checked.declined == 0 and max(checked.served) >= 8 and min(checked.served) < 8
+
+
 def test_a_slot_past_the_cache_is_refused_before_anything_is_written(
     tiny_model_dir: Callable[[str], Path],
 ) -> None:

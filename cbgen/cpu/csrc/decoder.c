@@ -30,9 +30,6 @@
 
 #include "cbgen.h" /* the kernels it calls, cbgen_layer_f32, cbgen_decoder_f32 */
 
-/* act [T, I] = SiLU (gelu 0) or GELU (gelu 1) of x @ W_gate times x @ W_up: applied to the
- * matmul's tiles from small_gemm's row blocks on, else the product gu [T, 2I] and then the
- * activation pass (the same bits either way). */
 /* y [T, N] = x [T, K] @ W^T (+ bias) through the matmul the model's weights are packed for:
  * float32 panels (weights 0), bf16 panels widened (1) or with bf16 dot products (2), or GGUF
  * blocks (3: w is a cbgen_qweight). 0, or small_gemm_bf16's or cbgen_q_gemm's code. */
@@ -49,11 +46,24 @@ static int matmul(const cbgen_decoder_f32 *m, const float *x, int64_t T, int64_t
     return cbgen_small_gemm_bf16(x, T, K, (const uint16_t *)w, N, bias, m->weights == 2, 0, y);
 }
 
+/* act [T, I] = SiLU (gelu 0) or GELU (gelu 1) of x @ W_gate times x @ W_up: applied to the
+ * matmul's tiles (float32 and widened bf16 from small_gemm's row blocks on, bf16 dot products
+ * at any rows), else the product gu [T, 2I] and then the activation pass (the same bits either
+ * way). */
 static int gated(const cbgen_decoder_f32 *m, const float *x, int64_t T, int64_t H,
                  const float *gate_up, int64_t I, int gelu, int64_t blocked, float *gu,
                  float *act) {
     if (m->weights == 0 && T >= blocked &&
         cbgen_small_gemm_gated_f32(x, T, H, gate_up, I, gelu, act) == 0)
+        return 0;
+    /* bf16 panels: the gated forms take I in whole 32-column panels (dot products any rows,
+     * widened from the row blocks on) */
+    const uint16_t *wp = (const uint16_t *)(const void *)gate_up;
+    if (m->weights == 2 && I % 32 == 0 &&
+        cbgen_small_gemm_gated_bf16_dot(x, T, H, wp, I, gelu, act) == 0)
+        return 0;
+    if (m->weights == 1 && I % 32 == 0 && T >= blocked &&
+        cbgen_small_gemm_gated_bf16w(x, T, H, wp, I, gelu, act) == 0)
         return 0;
     const int rc = matmul(m, x, T, H, gate_up, 2 * I, 0, blocked, gu);
     if (rc) return rc;
