@@ -60,6 +60,11 @@ class AttentionBackend(ABC):
     attends_written_kv: ClassVar[bool] = False
     """Whether attend() serves: the model may write the new K/V into the cache itself."""
 
+    bf16_dot_products: bool = False
+    """Whether prompt chunks' attention over a bf16 KV cache may take bf16 dot products (the
+    query and the softmax's probabilities rounded to bf16), where the backend has such a
+    kernel: set by the engine under --dtype bfloat16 on a CPU with them."""
+
     def unsupported(self, sliding_window: bool, logit_softcap: bool) -> str | None:
         """Why this backend cannot run layers with a sliding window / logit soft-capping (the
         ones asked for), or None when it can."""

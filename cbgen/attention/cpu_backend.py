@@ -8,7 +8,10 @@ cache or a bfloat16 one (--kv-cache-dtype: its values widened to float32 as they
     small prefill       at a time (query token j of a chunk is a one-token query over
     chunks              seq_len - query_len + j + 1 keys): no gather of K/V
     larger chunks       the C prefill kernel over the chunk's gathered K/V, or torch's SDPA
-                        where a build says that kernel is the slower (none does today)
+                        where a build says that kernel is the slower (none does today); over
+                        a bf16 cache with bf16_dot_products (--dtype bfloat16 where the CPU
+                        has them), its bf16 form: bf16 dot products on the cache's rows as
+                        they are, the query and the probabilities rounded to bf16
 
 A sliding window and logit soft-capping go into both kernels: each reads keys from the
 window's first block on (a decode costs O(window), whatever the sequence's length), and a
@@ -153,9 +156,11 @@ def attend(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    bf16_dot_products: bool = False,
 ) -> torch.Tensor:
-    """Attention of query [T, H, D] over the paged cache: the kernels in float32, the torch
-    reference for the rest (see the module docstring)."""
+    """Attention of query [T, H, D] over the paged cache: the kernels in float32 (prompt chunks
+    over a bf16 cache in bf16 dot products with bf16_dot_products), the torch reference for
+    the rest (see the module docstring)."""
     window, cap = sliding_window, logit_softcap
     if query.dtype != torch.float32 or kv_cache.dtype not in (torch.float32, torch.bfloat16):
         return torch_backend.attend(query, kv_cache, plan.reference, scale, window, cap)
@@ -188,12 +193,15 @@ def attend(
         start, end, seq_len, _ = chunk
         first = torch_backend.first_window_block(seq_len, end - start, window, kv_cache.shape[2])
         keys, values = torch_backend.gather_context(kv_cache, chunk, first)
-        keys, values = keys.float(), values.float()  # a bf16 cache's rows, widened (exactly)
-        o = (
-            kernels.prefill_attention_f32(query[start:end], keys, values, scale, window, cap)
-            if prefill_kernel
-            else None
-        )
+        o = None
+        if prefill_kernel and bf16_dot_products and keys.dtype == torch.bfloat16:
+            o = kernels.prefill_attention_bf16(query[start:end], keys, values, scale, window, cap)
+        if o is None:
+            keys, values = keys.float(), values.float()  # a bf16 cache's rows, widened (exactly)
+            if prefill_kernel:
+                o = kernels.prefill_attention_f32(
+                    query[start:end], keys, values, scale, window, cap
+                )
         out[start:end] = (
             o
             if o is not None
@@ -237,4 +245,6 @@ class CpuAttentionBackend(AttentionBackend):
             torch_backend.write_kv_cache(
                 key, value, kv_cache, meta.slot_mapping, plan.reference.may_have_negative
             )
-        return attend(query, kv_cache, plan, scale, sliding_window, logit_softcap)
+        return attend(
+            query, kv_cache, plan, scale, sliding_window, logit_softcap, self.bf16_dot_products
+        )

@@ -388,6 +388,7 @@ SIGNATURES: dict[str, Signature] = {
     "cbgen_small_gemm_gated_bf16w": (_int, [_p, _i64, _i64, _p, _i64, _int, _p]),
     "cbgen_small_gemm_gated_bf16_dot": (_int, [_p, _i64, _i64, _p, _i64, _int, _p]),
     "cbgen_prefill_attention_f32": (_int, [_p, _i64, _p, _p, _p, *[_i64] * 6, _f32, _i64, _f32]),
+    "cbgen_prefill_attention_bf16": (_int, [_p, _i64, _p, _p, _p, *[_i64] * 6, _f32, _i64, _f32]),
     "cbgen_native_prefill_rows": (_i64, []),
     "cbgen_prefill_kernel_preferred": (_int, []),
     "cbgen_silu_mul_f32": (None, [_p, _i64, _i64, _p]),

@@ -99,12 +99,46 @@ def prefill_attention_f32(
     relative positions matter, so the keys may start anywhere at or before the first row's
     window). Out [Q, H, D]; None without the kernels or for what the kernel does not take
     (another dtype, D other than 64 or 128)."""
-    if not query.dtype == key.dtype == value.dtype == torch.float32:
+    return _prefill(
+        "cbgen_prefill_attention_f32", torch.float32, query, key, value, scale,
+        sliding_window, logit_softcap,
+    )  # fmt: skip
+
+
+def prefill_attention_bf16(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor | None:
+    """prefill_attention_f32 over bfloat16 key and value (a bf16 cache's rows) with bf16 dot
+    products: the query and the softmax's probabilities rounded to bf16, every sum and the
+    softmax in float32 (a bf16 flash attention's arithmetic). None where the build has no bf16
+    dot products, and as prefill_attention_f32."""
+    return _prefill(
+        "cbgen_prefill_attention_bf16", torch.bfloat16, query, key, value, scale,
+        sliding_window, logit_softcap,
+    )  # fmt: skip
+
+
+def _prefill(
+    kernel: str,
+    kv_dtype: torch.dtype,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> torch.Tensor | None:
+    if query.dtype != torch.float32 or not key.dtype == value.dtype == kv_dtype:
         return None
     check("query", query, torch.float32, ("Q", "H", "D"))
     q_len, heads, head_dim = query.shape
-    check("key", key, torch.float32, ("L", "Hkv", head_dim))
-    check("value", value, torch.float32, tuple(key.shape))
+    check("key", key, kv_dtype, ("L", "Hkv", head_dim))
+    check("value", value, kv_dtype, tuple(key.shape))
     seq_len, kv_heads, _ = key.shape
     if seq_len < q_len or heads % kv_heads:
         raise ValueError(
@@ -117,7 +151,7 @@ def prefill_attention_f32(
         query = query.contiguous()
     k, v = key.contiguous(), value.contiguous()
     out = torch.empty(q_len, heads, head_dim, dtype=torch.float32)
-    rc = lib.cbgen_prefill_attention_f32(
+    rc = getattr(lib, kernel)(
         query.data_ptr(),
         query.stride(0),
         k.data_ptr(),

@@ -112,6 +112,8 @@ class Engine:
             config.kv_cache_dtype, self.dtype, self.cpu_bf16, self.backend.name
         )
         """The KV cache's dtype (resolve_kv_dtype)."""
+        # bf16 dot products in the prompts' attention too, over a bf16 cache's rows
+        self.backend.bf16_dot_products = self.cpu_bf16 == "dot" and self.kv_dtype == torch.bfloat16
         self.tokenizer: Any
         self.model: CausalLM
         self.runtime: Runtime
@@ -275,8 +277,9 @@ class Engine:
             return (
                 " (bf16 weights"
                 + (" and KV cache" if bf16_kv else ", float32 KV cache")
-                + ", bf16 dot products in the matmuls; float32 activations, norms, softmax and "
-                "sampling)"
+                + ", bf16 dot products in the matmuls"
+                + (" and the prompts' attention" if bf16_kv else "")
+                + "; float32 activations, norms, softmax and sampling)"
             )
         if self.cpu_bf16 == "widen":
             return (

@@ -373,6 +373,34 @@ def _assert_top1_close(engine: Engine, reference: Engine) -> None:
     assert agree >= 0.9, f"teacher-forced top-1 agreement {agree:.3f} over {len(pairs)} positions"
 
 
+def test_prompt_chunks_attend_with_bf16_dot_products_over_a_bf16_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--dtype bfloat16 with dot products: prompt chunks past the decode kernel's share take
+    the bf16 prefill attention (a head size of 64 here, which it holds), and the tokens stay
+    close to float32's; a float32 cache keeps the float32 kernel."""
+    from cbgen.cpu import thresholds
+
+    if not bf16.native():
+        pytest.skip("no AVX512_BF16 here: prompts attend in float32")
+    folder = make_tiny_hf_model("llama", tmp_path / "d64", hidden_size=256, intermediate_size=256)
+    monkeypatch.setattr(thresholds, "prefill_split", lambda: (40, True))
+    calls: list[int] = []
+    inner = kernels.prefill_attention_bf16
+    monkeypatch.setattr(
+        kernels, "prefill_attention_bf16", lambda *a: calls.append(a[0].shape[0]) or inner(*a)
+    )
+    engine = _engine(folder, dtype="bfloat16")
+    assert engine.backend.bf16_dot_products
+    assert "bf16 dot products in the matmuls and the prompts' attention;" in engine.describe()
+    _assert_top1_close(engine, _engine(folder))
+    assert calls and max(calls) > 8
+    calls.clear()
+    wide = _engine(folder, dtype="bfloat16", kv_cache_dtype="float32")
+    assert not wide.backend.bf16_dot_products
+    assert all(len(t) == 12 for t in _greedy(wide)) and not calls
+
+
 def test_an_engine_sharing_weights_must_run_bf16_the_same_way(bf16_checkpoint: Path) -> None:
     engine = _engine(bf16_checkpoint, dtype="bfloat16")
     with pytest.raises(ValueError, match="share_weights_with"):

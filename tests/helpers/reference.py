@@ -76,14 +76,26 @@ def attention_float64(
     """Causal attention written out in float64, the C prefill kernel's reference: q [Q, H, D]
     at positions L - Q .. L - 1 over k, v [L, Hkv, D]; query row t at position p = L - Q + t
     sees keys p - W < j <= p (W: window, None for all), scores capped as cap * tanh(s / cap)."""
+    group = q.shape[1] // k.shape[1]
+    weights = attention_weights_float64(q, k, scale, window, cap)
+    return torch.einsum("hqk,khd->qhd", weights, v.double().repeat_interleave(group, 1))
+
+
+def attention_weights_float64(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    cap: float | None = None,
+) -> torch.Tensor:
+    """attention_float64's softmax weights [H, Q, L] (0 for the keys a row does not see)."""
     qlen, heads, _ = q.shape
     seq_len, kv_heads, _ = k.shape
-    group = heads // kv_heads
-    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    kk = k.double().repeat_interleave(heads // kv_heads, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
     if cap is not None:
         scores = cap * torch.tanh(scores / cap)
     pos = seq_len - qlen + torch.arange(qlen)[:, None]
     keys = torch.arange(seq_len)[None, :]
     visible = (keys <= pos) & (keys > pos - (window if window is not None else seq_len + 1))
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
+    return scores.masked_fill(~visible, float("-inf")).softmax(-1)

@@ -38,6 +38,12 @@ int cbgen_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
                                 float *out, int64_t o_stride, int64_t Q, int64_t ctx, int64_t H,
                                 int64_t Hkv, int64_t D, float scale, int64_t window,
                                 float softcap);
+/* the same over bfloat16 K/V with bf16 dot products (Q and the probabilities rounded to bf16);
+ * -2 in a build without them */
+int cbgen_prefill_attention_bf16(const float *q, int64_t q_stride, const uint16_t *k,
+                                 const uint16_t *v, float *out, int64_t o_stride, int64_t Q,
+                                 int64_t ctx, int64_t H, int64_t Hkv, int64_t D, float scale,
+                                 int64_t window, float softcap);
 int64_t cbgen_native_prefill_rows(void);
 int cbgen_prefill_kernel_preferred(void);
 

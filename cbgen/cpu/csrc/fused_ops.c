@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_round.h" /* to_bf16 */
 #include "cbgen.h"
 
 #define PAR_MIN_ELEMS (1 << 18)
@@ -101,15 +102,6 @@ int cbgen_write_kv_f32(const float *key, int64_t k_stride, const float *value, i
         memcpy(v_cache + s * row, value + t * v_stride, sizeof(float) * (size_t)row);
     }
     return 0;
-}
-
-/* float32 -> bfloat16, rounded to nearest even (a NaN stays a NaN), as torch converts. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 /* cbgen_write_kv_f32 into a bfloat16 cache: each value rounded as torch's .to(bfloat16). */

@@ -305,6 +305,63 @@ static inline float hsum16(v16 a) {
     return a[0];
 }
 
+/* One softmax step of an item's rows over the KC keys from j0 (p: their scaled scores): scores
+ * soft-capped where softcap > 0, the keys a row does not see -inf, then p = exp(s - the row's
+ * running max), the running max m and sum l updated and the row's output o rescaled. */
+static inline void softmax_step(float (*p)[KC], float *m, float *l, float (*o)[MAX_D], int64_t D,
+                                int64_t r0, int64_t nr, int64_t ctx, int64_t j0, int64_t window,
+                                float softcap) {
+    if (softcap > 0.0f) {
+        const float inv = 1.0f / softcap;
+        for (int r = 0; r < RB; ++r)
+            for (int j = 0; j < KC; ++j) p[r][j] = softcap * tanhf(p[r][j] * inv);
+    }
+    for (int r = 0; r < RB; ++r) {
+        /* the row's visible keys in this step, [lo, last] (rows past nr see none) */
+        const int64_t last = r < nr ? ctx + r0 + r - j0 : -1;
+        const int64_t lo = window > 0 ? ctx + r0 + r - window + 1 - j0 : 0;
+        if (last < KC - 1)
+            for (int64_t j = last + 1 > 0 ? last + 1 : 0; j < KC; ++j) p[r][j] = -INFINITY;
+        for (int64_t j = 0; j < lo && j < KC; ++j) p[r][j] = -INFINITY;
+        if (last < 0 || lo >= KC) {
+            for (int j = 0; j < KC; ++j) p[r][j] = 0.0f;
+            continue;
+        }
+        v16 s[KC / 16];
+        for (int c = 0; c < KC / 16; ++c) s[c] = *(const v16 *)(p[r] + 16 * c);
+        /* a NaN score never becomes the max; its exp is NaN and spreads to the row's output */
+        float cm = hmax16(vmax16(vmax16(s[0], s[1]), vmax16(s[2], s[3])));
+        if (cm != cm) cm = -INFINITY;
+        const float mn = cm > m[r] ? cm : m[r];
+        const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
+        v16 e = (v16){0};
+        for (int c = 0; c < KC / 16; ++c) {
+            const v16 ec = exp_nonpositive(s[c] - mn);
+            *(v16 *)(p[r] + 16 * c) = ec;
+            e += ec;
+        }
+        l[r] = l[r] * alpha + hsum16(e);
+        m[r] = mn;
+        if (alpha != 1.0f)
+            for (int64_t d = 0; d < D; ++d) o[r][d] *= alpha;
+    }
+}
+
+/* An item's first and last steps: the keys its rows see, [first, nkeys), from the step holding
+ * the first row's first key (the steps before see nothing) */
+static inline int64_t first_step(int64_t ctx, int64_t r0, int64_t window) {
+    return window > 0 && ctx + r0 >= window ? (ctx + r0 - window + 1) / KC * KC : 0;
+}
+
+/* out rows r0 .. r0 + nr = o / l */
+static inline void finish_rows(const float (*o)[MAX_D], const float *l, float *out,
+                               int64_t o_stride, int64_t D, int64_t r0, int64_t nr) {
+    for (int r = 0; r < nr; ++r) {
+        float *dst = out + (r0 + r) * o_stride;
+        for (int64_t d = 0; d < D; ++d) dst[d] = o[r][d] / l[r];
+    }
+}
+
 static void item(const float *q, int64_t q_stride, const float *kt, int64_t lp, const float *v,
                  int64_t v_stride, float *out, int64_t o_stride, int64_t D, int64_t r0, int64_t nr,
                  int64_t ctx, float scale, int64_t window, float softcap) {
@@ -319,9 +376,7 @@ static void item(const float *q, int64_t q_stride, const float *kt, int64_t lp, 
         l[r] = 0.0f;
     }
     const int64_t nkeys = ctx + r0 + nr; /* keys the block's last row sees */
-    /* the first row's first key, rounded down to a step: the steps before see nothing */
-    const int64_t first = window > 0 && ctx + r0 >= window ? (ctx + r0 - window + 1) / KC * KC : 0;
-    for (int64_t j0 = first; j0 < nkeys; j0 += KC) {
+    for (int64_t j0 = first_step(ctx, r0, window); j0 < nkeys; j0 += KC) {
         for (int64_t t0 = 0; t0 < KC && j0 + t0 < nkeys; t0 += KT) {
             v16 a0[RB], a1[RB];
             for (int r = 0; r < RB; ++r) a0[r] = a1[r] = (v16){0};
@@ -339,40 +394,7 @@ static void item(const float *q, int64_t q_stride, const float *kt, int64_t lp, 
                 *(v16 *)(p[r] + t0 + 16) = a1[r] * scale;
             }
         }
-        if (softcap > 0.0f) {
-            const float inv = 1.0f / softcap;
-            for (int r = 0; r < RB; ++r)
-                for (int j = 0; j < KC; ++j) p[r][j] = softcap * tanhf(p[r][j] * inv);
-        }
-        for (int r = 0; r < RB; ++r) {
-            /* the row's visible keys in this step, [lo, last] (rows past nr see none) */
-            const int64_t last = r < nr ? ctx + r0 + r - j0 : -1;
-            const int64_t lo = window > 0 ? ctx + r0 + r - window + 1 - j0 : 0;
-            if (last < KC - 1)
-                for (int64_t j = last + 1 > 0 ? last + 1 : 0; j < KC; ++j) p[r][j] = -INFINITY;
-            for (int64_t j = 0; j < lo && j < KC; ++j) p[r][j] = -INFINITY;
-            if (last < 0 || lo >= KC) {
-                for (int j = 0; j < KC; ++j) p[r][j] = 0.0f;
-                continue;
-            }
-            v16 s[KC / 16];
-            for (int c = 0; c < KC / 16; ++c) s[c] = *(const v16 *)(p[r] + 16 * c);
-            /* a NaN score never becomes the max; its exp is NaN and spreads to the row's output */
-            float cm = hmax16(vmax16(vmax16(s[0], s[1]), vmax16(s[2], s[3])));
-            if (cm != cm) cm = -INFINITY;
-            const float mn = cm > m[r] ? cm : m[r];
-            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
-            v16 e = (v16){0};
-            for (int c = 0; c < KC / 16; ++c) {
-                const v16 ec = exp_nonpositive(s[c] - mn);
-                *(v16 *)(p[r] + 16 * c) = ec;
-                e += ec;
-            }
-            l[r] = l[r] * alpha + hsum16(e);
-            m[r] = mn;
-            if (alpha != 1.0f)
-                for (int64_t d = 0; d < D; ++d) o[r][d] *= alpha;
-        }
+        softmax_step(p, m, l, o, D, r0, nr, ctx, j0, window, softcap);
         const int64_t nj = nkeys - j0 < KC ? nkeys - j0 : KC;
         const float *vc = v + j0 * v_stride;
         if (D == 64)
@@ -380,10 +402,7 @@ static void item(const float *q, int64_t q_stride, const float *kt, int64_t lp, 
         else
             for (int r = 0; r < RB; r += 2) pv_8_2(o, (const float(*)[KC])p, r, vc, v_stride, nj);
     }
-    for (int r = 0; r < nr; ++r) {
-        float *dst = out + (r0 + r) * o_stride;
-        for (int64_t d = 0; d < D; ++d) dst[d] = o[r][d] / l[r];
-    }
+    finish_rows((const float(*)[MAX_D])o, l, out, o_stride, D, r0, nr);
 }
 
 /* Returns 0, or -1 for a shape it does not take (D not 64 or 128, H not a multiple of Hkv). */
@@ -414,6 +433,156 @@ int cbgen_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
     return 0;
 }
 
+#if defined(__AVX512BF16__)
+/* The same attention over a bf16 K/V (a bf16 cache's rows, not widened) with bf16 dot products
+ * (vdpbf16ps: two bf16 products added to a float32 lane), as a bf16 flash attention computes:
+ * Q rounded to bf16 for Q.K^T, the softmax's probabilities rounded to bf16 for P x V, every sum,
+ * the softmax and the output in float32. Half the instructions of the float32 tiles: the
+ * scores' tile takes a pair of dimensions a step (K transposed in pairs, [Hkv][D / 2][lp], two
+ * dimensions of a key in a 32-bit lane), P x V a pair of keys (V in pairs, [Hkv][lp / 2][D]). */
+#include <immintrin.h>
+
+#include "bf16_round.h" /* round_pairs */
+
+/* P x V for one step: rows [r, r + RG) of o (D = 16 DV floats) += their probability pairs
+ * pp[row][0 .. nj2) x V's key pairs vp [nj2][D]. */
+#define PVB(DV, RG)                                                                            \
+    static void pvb_##DV##_##RG(float (*o)[MAX_D], const uint32_t (*pp)[KC / 2], int r,         \
+                                const uint32_t *vp, int64_t D, int64_t nj2) {                   \
+        __m512 acc[RG][DV];                                                                    \
+        for (int i = 0; i < RG; ++i)                                                           \
+            for (int c = 0; c < DV; ++c) acc[i][c] = _mm512_load_ps(o[r + i] + 16 * c);       \
+        for (int64_t j = 0; j < nj2; ++j) {                                                    \
+            __m512bh vv[DV];                                                                   \
+            for (int c = 0; c < DV; ++c)                                                       \
+                vv[c] = (__m512bh)_mm512_loadu_si512(vp + j * D + 16 * c);                     \
+            for (int i = 0; i < RG; ++i) {                                                     \
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[r + i][j]);            \
+                for (int c = 0; c < DV; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pb, vv[c]); \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < RG; ++i)                                                           \
+            for (int c = 0; c < DV; ++c) _mm512_store_ps(o[r + i] + 16 * c, acc[i][c]);       \
+    }
+PVB(4, 4)
+PVB(8, 2)
+
+static void item_bf16(const float *q, int64_t q_stride, const uint32_t *ktp, int64_t lp,
+                      const uint32_t *vp, float *out, int64_t o_stride, int64_t D, int64_t r0,
+                      int64_t nr, int64_t ctx, float scale, int64_t window, float softcap) {
+    const int64_t D2 = D / 2;
+    uint32_t qb[RB][MAX_D / 2];
+    uint32_t pp[RB][KC / 2] __attribute__((aligned(64)));
+    float o[RB][MAX_D] __attribute__((aligned(64)));
+    float p[RB][KC] __attribute__((aligned(64)));
+    float m[RB], l[RB];
+    for (int r = 0; r < RB; ++r) {
+        if (r < nr)
+            round_pairs(q + (r0 + r) * q_stride, D, D2, qb[r]);
+        else
+            memset(qb[r], 0, sizeof qb[r]);
+        for (int64_t d = 0; d < D; ++d) o[r][d] = 0.0f;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const int64_t nkeys = ctx + r0 + nr;
+    for (int64_t j0 = first_step(ctx, r0, window); j0 < nkeys; j0 += KC) {
+        for (int64_t t0 = 0; t0 < KC && j0 + t0 < nkeys; t0 += KT) {
+            __m512 a0[RB], a1[RB];
+            for (int r = 0; r < RB; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+            const uint32_t *kc = ktp + j0 + t0;
+            for (int64_t d2 = 0; d2 < D2; ++d2) {
+                const __m512bh b0 = (__m512bh)_mm512_loadu_si512(kc + d2 * lp);
+                const __m512bh b1 = (__m512bh)_mm512_loadu_si512(kc + d2 * lp + 16);
+                for (int r = 0; r < RB; ++r) {
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32((int)qb[r][d2]);
+                    a0[r] = _mm512_dpbf16_ps(a0[r], x, b0);
+                    a1[r] = _mm512_dpbf16_ps(a1[r], x, b1);
+                }
+            }
+            const __m512 sc = _mm512_set1_ps(scale);
+            for (int r = 0; r < RB; ++r) {
+                _mm512_store_ps(p[r] + t0, _mm512_mul_ps(a0[r], sc));
+                _mm512_store_ps(p[r] + t0 + 16, _mm512_mul_ps(a1[r], sc));
+            }
+        }
+        softmax_step(p, m, l, o, D, r0, nr, ctx, j0, window, softcap);
+        /* the step's keys in pairs; an odd last key's partner has probability 0 (past every
+         * row's last key) and a zero V row (the padding) */
+        const int64_t nj = nkeys - j0 < KC ? nkeys - j0 : KC, nj2 = (nj + 1) / 2;
+        for (int r = 0; r < RB; ++r) /* vcvtne2ps2bf16: bf16 in order, to nearest even */
+            for (int c = 0; c < KC; c += 32)
+                _mm512_store_si512(pp[r] + c / 2,
+                                   (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p[r] + c + 16),
+                                                                _mm512_load_ps(p[r] + c)));
+        const uint32_t *vc = vp + j0 / 2 * D;
+        if (D == 64)
+            for (int r = 0; r < RB; r += 4) pvb_4_4(o, (const uint32_t(*)[KC / 2])pp, r, vc, D, nj2);
+        else
+            for (int r = 0; r < RB; r += 2) pvb_8_2(o, (const uint32_t(*)[KC / 2])pp, r, vc, D, nj2);
+    }
+    finish_rows((const float(*)[MAX_D])o, l, out, o_stride, D, r0, nr);
+}
+
+/* k, v [L, Hkv, D] bfloat16 (contiguous), the rest as cbgen_prefill_attention_f32. Returns 0,
+ * -1 for a shape it does not take or no memory for the transposed K/V, -2 in a build without
+ * bf16 dot products. */
+int cbgen_prefill_attention_bf16(const float *q, int64_t q_stride, const uint16_t *k,
+                                 const uint16_t *v, float *out, int64_t o_stride, int64_t Q,
+                                 int64_t ctx, int64_t H, int64_t Hkv, int64_t D, float scale,
+                                 int64_t window, float softcap) {
+    if ((D != 64 && D != 128) || Hkv <= 0 || H % Hkv || Q <= 0 || ctx < 0 || window < 0) return -1;
+    const int64_t L = ctx + Q, lp = (L + KC - 1) / KC * KC, group = H / Hkv, D2 = D / 2;
+    uint32_t *ktp = aligned_alloc(64, (size_t)(Hkv * D2 * lp) * sizeof(uint32_t));
+    uint32_t *vp = aligned_alloc(64, (size_t)(Hkv * lp / 2 * D) * sizeof(uint32_t));
+    if (!ktp || !vp) {
+        free(ktp);
+        free(vp);
+        return -1;
+    }
+#pragma omp parallel
+    {
+        /* K in dimension pairs: ktp[h][d2][j] = (k[j][h][2 d2], k[j][h][2 d2 + 1]) */
+#pragma omp for schedule(static) nowait
+        for (int64_t hd = 0; hd < Hkv * D2; ++hd) {
+            const int64_t h = hd / D2, d2 = hd % D2;
+            uint32_t *dst = ktp + hd * lp;
+            for (int64_t j = 0; j < L; ++j) {
+                const uint16_t *src = k + (j * Hkv + h) * D + 2 * d2;
+                dst[j] = src[0] | (uint32_t)src[1] << 16;
+            }
+            for (int64_t j = L; j < lp; ++j) dst[j] = 0;
+        }
+        /* V in key pairs: vp[h][j2][d] = (v[2 j2][h][d], v[2 j2 + 1][h][d]), 0 past L */
+#pragma omp for schedule(static)
+        for (int64_t hj = 0; hj < Hkv * lp / 2; ++hj) {
+            const int64_t h = hj / (lp / 2), j = hj % (lp / 2) * 2;
+            uint32_t *dst = vp + hj * D;
+            if (j + 1 < L) {
+                const uint16_t *a = v + (j * Hkv + h) * D, *b = a + Hkv * D;
+                for (int64_t d = 0; d < D; ++d) dst[d] = a[d] | (uint32_t)b[d] << 16;
+            } else if (j < L) {
+                const uint16_t *a = v + (j * Hkv + h) * D;
+                for (int64_t d = 0; d < D; ++d) dst[d] = a[d];
+            } else {
+                memset(dst, 0, (size_t)D * sizeof(uint32_t));
+            }
+        }
+    }
+    const int64_t blocks = (Q + RB - 1) / RB, items = blocks * H;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+        const int64_t b = blocks - 1 - it / H, h = it % H, hk = h / group; /* last rows first */
+        const int64_t r0 = b * RB, nr = Q - r0 < RB ? Q - r0 : RB;
+        item_bf16(q + h * D, q_stride, ktp + hk * D2 * lp, lp, vp + hk * (lp / 2) * D,
+                  out + h * D, o_stride, D, r0, nr, ctx, scale, window, softcap);
+    }
+    free(ktp);
+    free(vp);
+    return 0;
+}
+#endif
+
 #endif
 
 /* How the cpu attention backend splits prompt chunks with this build (measured in
@@ -424,3 +593,15 @@ int cbgen_prefill_attention_f32(const float *q, int64_t q_stride, const float *k
  * tiles beat SDPA on every chunk past that (SmolLM2's attention shape, one thread). */
 int64_t cbgen_native_prefill_rows(void) { return 8192; }
 int cbgen_prefill_kernel_preferred(void) { return 1; }
+
+#if !defined(__AVX512BF16__)
+/* Builds without bf16 dot products: the caller keeps the float32 kernel. */
+int cbgen_prefill_attention_bf16(const float *q, int64_t q_stride, const uint16_t *k,
+                                 const uint16_t *v, float *out, int64_t o_stride, int64_t Q,
+                                 int64_t ctx, int64_t H, int64_t Hkv, int64_t D, float scale,
+                                 int64_t window, float softcap) {
+    (void)q, (void)q_stride, (void)k, (void)v, (void)out, (void)o_stride, (void)Q, (void)ctx;
+    (void)H, (void)Hkv, (void)D, (void)scale, (void)window, (void)softcap;
+    return -2;
+}
+#endif

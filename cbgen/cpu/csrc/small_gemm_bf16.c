@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_round.h" /* to_bf16, round_pairs */
 #include "cbgen.h"
 #include "gated.h" /* cbgen_gated_tile */
 #include "thread_buffer.h"
@@ -49,24 +50,6 @@ typedef uint32_t wvecu __attribute__((vector_size(VW * 4), aligned(4), may_alias
 #define NR 32 /* columns of a packed panel */
 
 int64_t cbgen_bf16_native(void) { return DOT; }
-
-/* float32 -> bfloat16, rounded to nearest even (a NaN stays a NaN), as torch converts. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* A row of x [K] as K2 bf16 pairs (the low half k, the high half k + 1; 0 past K). */
-static inline void round_pairs(const float *x, int64_t K, int64_t K2, uint32_t *xp) {
-    for (int64_t k2 = 0; k2 < K2; ++k2) {
-        const uint32_t lo = to_bf16(x[2 * k2]);
-        const uint32_t hi = 2 * k2 + 1 < K ? to_bf16(x[2 * k2 + 1]) : 0;
-        xp[k2] = lo | hi << 16;
-    }
-}
 
 /* Length of k in the packed panels: K rounded up to even. */
 int64_t cbgen_panel_k_bf16(int64_t K) { return (K + 1) / 2 * 2; }
