@@ -250,7 +250,9 @@ def build_workload(model_dir: Path, args: argparse.Namespace, path: Path) -> dic
                 "output_len": args.max_output_len if args.exact_output_len else r.output_len,
             }
         )
-    path.write_text(json.dumps({"kind": args.workload_kind, "requests": requests}))
+    # the kind it was built as, where the caller chose one (compare_peers' --workload-kind)
+    kind = getattr(args, "workload_kind", None)
+    path.write_text(json.dumps({**({"kind": kind} if kind else {}), "requests": requests}))
     return workload_stats(path)
 
 
