@@ -347,8 +347,8 @@ static inline void softmax_step(float (*p)[KC], float *m, float *l, float (*o)[M
     }
 }
 
-/* An item's first and last steps: the keys its rows see, [first, nkeys), from the step holding
- * the first row's first key (the steps before see nothing) */
+/* An item's first step: the one holding its first row's first key, rounded down to a step (the
+ * steps before see nothing) */
 static inline int64_t first_step(int64_t ctx, int64_t r0, int64_t window) {
     return window > 0 && ctx + r0 >= window ? (ctx + r0 - window + 1) / KC * KC : 0;
 }
