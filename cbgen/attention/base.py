@@ -33,6 +33,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 
@@ -47,6 +48,11 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    prompts: np.ndarray | None = None
+    """[B] bool on the host: whether row i's new tokens start inside its prompt (None: a row of
+    one new token is a decode). The cpu backend attends every prompt token with its prompt
+    kernel, however small its chunk, so that a token's bits never depend on how its prompt was
+    cut into chunks (batch invariance: see cpu_backend)."""
     state: Any = None
     """Backend-specific index work, built once per step by AttentionBackend.prepare."""
 

@@ -394,8 +394,8 @@ SIGNATURES: dict[str, Signature] = {
     "cbgen_silu_mul_f32": (None, [_p, _i64, _i64, _p]),
     "cbgen_gelu_tanh_mul_f32": (None, [_p, _i64, _i64, _p]),
     "cbgen_sample_f32": (_int, [_p, _i64, _i64, _i64, _p, _p, _p]),
-    "cbgen_decoder_work_f32": (_i64, [_p, _i64]),
-    "cbgen_decoder_forward_f32": (_int, [_p, _i64, _p, _p, _p, _p, _i64, _p, _p, _p]),
+    "cbgen_decoder_work_f32": (_i64, [_p, _i64, _i64]),
+    "cbgen_decoder_forward_f32": (_int, [_p, _i64, _p, _p, _p, _p, _p, _p]),
 }
 """name -> (restype, argtypes) of every function cbgen.h declares, as ctypes converts the
 arguments: pointers are c_void_p (callers pass tensor.data_ptr()), int is c_int, int64_t c_int64.

@@ -86,6 +86,11 @@ def paged_decode_f32(
     return out
 
 
+def prefill_takes(head_dim: int) -> bool:
+    """Whether the prefill kernels take heads of this size."""
+    return head_dim in (64, 128)
+
+
 def prefill_attention_f32(
     query: torch.Tensor,
     key: torch.Tensor,

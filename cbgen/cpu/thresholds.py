@@ -34,11 +34,13 @@ def build_small_gemm_blocked_rows() -> int:
 @functools.cache
 def prefill_split() -> tuple[int, bool]:
     """How the cpu attention backend splits prompt chunks with this machine's build: (rows,
-    kernel). A chunk whose query tokens read at most `rows` K/V rows in all goes to the decode
-    kernel, one token at a time; a larger one to prefill_attention_f32 when `kernel`, else to
-    torch's SDPA. The build answers, since the kernels' tiles are chosen per ISA when it is
-    compiled (docs/PERFORMANCE.md: 8192 and the kernel, with AVX-512 and with AVX2).
-    (8192, True) without the kernels, where every chunk takes torch's path anyway."""
+    kernel). With `kernel`, every prompt chunk goes to prefill_attention_f32 (batch invariance:
+    see cbgen.attention.cpu_backend); without, a chunk whose query tokens read at most `rows`
+    K/V rows in all goes to the decode kernel, one token at a time, and a larger one to torch's
+    SDPA (so too where the prefill kernel does not take the model's heads). The build answers,
+    since the kernels' tiles are chosen per ISA when it is compiled (docs/PERFORMANCE.md: 8192
+    and the kernel, with AVX-512 and with AVX2). (8192, True) without the kernels, where every
+    chunk takes torch's path anyway."""
     lib = build.load_library()
     if lib is None:
         return 8192, True

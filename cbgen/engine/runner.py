@@ -298,7 +298,7 @@ class ModelRunner:
         if num_rows > num_seqs:
             fill_padding(host, num_seqs, num_rows)
         buffers.upload(num_rows)
-        return buffers.views(
+        ids, pos, meta, logits_rows = buffers.views(
             total if num_rows == num_seqs else num_rows,
             num_rows,
             len(logits_indices),
@@ -306,6 +306,13 @@ class ModelRunner:
             int(seq_lens.max()),
             bs,
         )
+        if num_rows == num_seqs:
+            infos = self.infos
+            prompt_lens = np.fromiter(
+                (infos[s.request_id].prompt_len for s in sched), dtype=np.int64, count=num_seqs
+            )
+            meta.prompts = computed < prompt_lens
+        return ids, pos, meta, logits_rows
 
     def _stage_sampling(self, rows: np.ndarray) -> SamplingTensors | None:
         """The temperature, top-k, top-p and min-p of the sampling requests in these rows, in

@@ -6,10 +6,11 @@ layer (~270 a step for SmolLM2's 30 layers); from Python each also pays its argu
 tensor allocation, a module call and ctypes, while the kernels' other thread waits. NativeDecoder
 makes the same calls, in the same order, on the same kinds of buffers, from C: the hidden
 states are bit for bit the Python path's (tests/runtime/test_native_decoder.py). It serves the steps
-whose every token the attention's C decode kernel takes (decodes, and prompt chunks small
-enough for it) and whose matmuls all go to small_gemm (the runtime's
-CpuThresholds.small_gemm_max_rows; a GGUF model's blocks take any rows); any other step, and a
-step a kernel refuses, runs the Python path.
+whose matmuls all go to small_gemm (the runtime's CpuThresholds.small_gemm_max_rows; a GGUF
+model's blocks take any rows) and whose attention the C kernels take as the cpu backend sends
+it: decodes to the decode kernel, prompt chunks (over a float32 cache) to the prefill kernel,
+their keys gathered from the cache as the backend gathers them. Any other step, and a step a
+kernel refuses, runs the Python path.
 
 Which models: the plain Llama layer (LlamaForCausalLM with its MLP; Llama, Mistral, Qwen2 with its QKV
 bias, Qwen3 with its q/k norms, SmolLM2, Phi-3 without partial rotary) and Gemma 2 / 3's (norms
@@ -28,7 +29,9 @@ import torch
 
 from cbgen.attention.base import AttentionMetadata
 from cbgen.attention.cpu_backend import CpuPlan
+from cbgen.attention.torch_backend import PrefillChunk
 from cbgen.cpu import build, kernels
+from cbgen.cpu import thresholds as cpu_thresholds
 from cbgen.models.base import CausalLM, Linear
 from cbgen.models.gemma import GemmaDecoderLayer, GemmaForCausalLM, GemmaMLP
 from cbgen.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
@@ -96,6 +99,22 @@ class _Decoder(ctypes.Structure):
     ]
 
 
+class _Step(ctypes.Structure):
+    """decoder.c's cbgen_decoder_step."""
+
+    _fields_ = [
+        ("decodes", ctypes.c_int64),
+        ("decode_rows", _P),
+        ("block_table", _P),
+        ("bt_stride", ctypes.c_int64),
+        ("seq_lens", _P),
+        ("chunks", ctypes.c_int64),
+        ("chunk", _P),
+        ("chunk_blocks", _P),
+        ("cb_stride", ctypes.c_int64),
+    ]
+
+
 class NativeDecoder:
     """model's decode forward in one C call; see the module docstring. Build with for_model."""
 
@@ -128,6 +147,8 @@ class NativeDecoder:
         self._work = torch.empty(0, dtype=torch.float32)
         self.calls = 0
         """Forward passes this decoder ran (a diagnostic: tests check it served)."""
+        self.prompt_calls = 0
+        """Of them, those with prompt chunks."""
 
     @classmethod
     def for_model(cls, model: CausalLM, thresholds: CpuThresholds) -> NativeDecoder | None:
@@ -307,10 +328,13 @@ class NativeDecoder:
             not isinstance(plan, CpuPlan)
             or t == 0
             or (t > self.thresholds.small_gemm_max_rows and self.weights != 3)
-            or plan.native.tokens.shape[0] != t  # then token i is the kernel's row i
             or positions.dtype != torch.int64
             or meta.slot_mapping.dtype != torch.int64
         ):
+            return None
+        native = plan.native_for(None, kernels.prefill_takes(self.head_dim))
+        chunks = native.prefills
+        if chunks and not self._takes_chunks(kv_caches):
             return None
         if not self._bound(kv_caches) and not self._bind(kv_caches, meta.block_size):
             return None
@@ -318,8 +342,10 @@ class NativeDecoder:
         assert struct is not None and self.lib is not None
         if struct.block_size != meta.block_size:
             return None
+        step, keep = _step(native.tokens, native.blocks, native.seq_lens, chunks, t)
         struct.blocked_rows = self.thresholds.blocked_rows  # the runtime's, as it is now
-        need = self.lib.cbgen_decoder_work_f32(ctypes.byref(struct), t)
+        max_keys = max((c[2] for c in chunks), default=0)
+        need = self.lib.cbgen_decoder_work_f32(ctypes.byref(struct), t, max_keys)
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
         residual = self.model.embed_tokens(input_ids)
@@ -327,7 +353,6 @@ class NativeDecoder:
             residual = residual * cast(GemmaForCausalLM, self.model).embed_scale(residual.dtype)
         residual = residual.contiguous()
         out = torch.empty_like(residual)
-        blocks, seq_lens = plan.native.blocks.contiguous(), plan.native.seq_lens.contiguous()
         pos, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         rc = self.lib.cbgen_decoder_forward_f32(
             ctypes.byref(struct),
@@ -335,16 +360,62 @@ class NativeDecoder:
             residual.data_ptr(),
             pos.data_ptr(),
             slots.data_ptr(),
-            blocks.data_ptr(),
-            blocks.shape[1],
-            seq_lens.data_ptr(),
+            ctypes.byref(step),
             self._work.data_ptr(),
             out.data_ptr(),
         )
+        del keep
         if rc:
             return None
         self.calls += 1
+        if chunks:
+            self.prompt_calls += 1
         return out
+
+    def _takes_chunks(self, kv_caches: Sequence[torch.Tensor]) -> bool:
+        """Whether a step's prompt chunks can go through the call: the cpu backend sends them
+        to the float32 prefill kernel (it may prefer SDPA, or a bf16 cache its own forms)."""
+        return (
+            cpu_thresholds.prefill_split()[1]
+            and kernels.prefill_takes(self.head_dim)
+            and all(c.dtype == torch.float32 for c in kv_caches)
+        )
+
+
+def _step(
+    tokens: torch.Tensor,
+    blocks: torch.Tensor,
+    seq_lens: torch.Tensor,
+    chunks: Sequence[PrefillChunk],
+    t: int,
+) -> tuple[_Step, list[torch.Tensor]]:
+    """The step's cbgen_decoder_step, and the tensors it points into (keep them until the call
+    returns): the decode kernel's tokens (their rows, where they are not the first ones), each
+    prompt chunk's first row, rows, keys and blocks."""
+    blocks, seq_lens = blocks.contiguous(), seq_lens.contiguous()
+    n = tokens.shape[0]
+    keep = [blocks, seq_lens]
+    rows = None
+    if n and not (n == t or tokens[-1].item() == n - 1):  # not rows 0 .. n - 1 (they ascend)
+        rows = tokens.contiguous()
+        keep.append(rows)
+    step = _Step(
+        decodes=n,
+        decode_rows=None if rows is None else rows.data_ptr(),
+        block_table=blocks.data_ptr() if n else None,
+        bt_stride=blocks.shape[1] if n else 0,
+        seq_lens=seq_lens.data_ptr() if n else None,
+        chunks=len(chunks),
+    )
+    if chunks:
+        spans = torch.tensor([(s, e - s, k) for s, e, k, _ in chunks], dtype=torch.int64)
+        widest = max(b.shape[0] for *_, b in chunks)
+        table = torch.zeros(len(chunks), widest, dtype=torch.int32)
+        for i, (*_, b) in enumerate(chunks):
+            table[i, : b.shape[0]] = b
+        keep += [spans, table]
+        step.chunk, step.chunk_blocks, step.cb_stride = spans.data_ptr(), table.data_ptr(), widest
+    return step, keep
 
 
 def _panels(linear: Linear) -> torch.Tensor | int | None:

@@ -108,8 +108,8 @@ def test_the_decoder_structs_agree_with_the_header() -> None:
             id="signedness",
         ),
         pytest.param(
-            "int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T);",
-            "int64_t cbgen_decoder_work_f32(int64_t m, int64_t T);",
+            "int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T, int64_t max_keys);",
+            "int64_t cbgen_decoder_work_f32(int64_t m, int64_t T, int64_t max_keys);",
             "cbgen_decoder_work_f32 argument 1 (int64_t m): ctypes c_void_p",
             id="a pointer for an integer",
         ),

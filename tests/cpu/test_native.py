@@ -334,11 +334,11 @@ def test_paged_decode_softmax_over_a_wide_range_of_scores() -> None:
 def test_mixed_batch_through_the_kernel_matches_the_torch_path(
     prefill_kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The cpu backend's attention: decodes, small prefill chunks (with and without cached
-    context: the C decode kernel, one query token at a time) and chunks too large for it (the
-    C prefill kernel, or SDPA where a build prefers it, with and without cached context) in one
-    flat batch, against the torch reference (SDPA); the large chunks also against a float64
-    softmax written out."""
+    """The cpu backend's attention: decodes (the C decode kernel), small prefill chunks (with
+    and without cached context) and large ones (with and without cached context) in one flat
+    batch, against the torch reference (SDPA); the large chunks also against a float64 softmax
+    written out. With the prefill kernel every chunk takes it; where a build prefers SDPA, the
+    small chunks take the decode kernel, one query token at a time, and the large ones SDPA."""
     monkeypatch.setattr(cpu_thresholds, "prefill_split", lambda: (8192, prefill_kernel))
     calls = []
     inner = kernels.prefill_attention_f32
@@ -357,20 +357,21 @@ def test_mixed_batch_through_the_kernel_matches_the_torch_path(
     block_table = torch.randperm(num_blocks)[: 6 * 15].view(6, 15).int()
     q = torch.randn(int(qsl[-1]), hkv * group, d)
     plan = cpu_backend.plan_attention(block_table, qsl, seq_lens, bs)
-    assert len(plan.native.prefills) == 2
-    assert plan.native.tokens.shape[0] == int(qsl[-1]) - 150 - 140
+    assert len(plan.native.prefills) == (4 if prefill_kernel else 2)
+    assert plan.native.tokens.shape[0] == (2 if prefill_kernel else int(qsl[-1]) - 150 - 140)
     got = cpu_backend.attend(q, kv, plan, 0.125)
     want = torch_backend.attend(
         q, kv, torch_backend.plan_attention(block_table, qsl, seq_lens, bs), 0.125
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert calls == ([150, 140] if prefill_kernel else [])
+    assert calls == ([12, 9, 150, 140] if prefill_kernel else [])
     for i in (3, 4):
         (qlen, seq_len), start = shape[i], int(qsl[i])
         keys = kv[:, block_table[i]].flatten(1, 2)[:, :seq_len]  # [2, L, Hkv, D]
         exact = attention_float64(q[start : start + qlen], keys[0], keys[1], 0.125)
         torch.testing.assert_close(got[start : start + qlen].double(), exact, rtol=1e-5, atol=1e-5)
-    # every token through the kernel: the result comes straight back from it
+    # every token through the decode kernel: the result comes straight back from it
+    monkeypatch.setattr(cpu_thresholds, "prefill_split", lambda: (8192, False))
     small = cpu_backend.plan_attention(block_table[:3], qsl[:4], seq_lens[:3], bs)
     n = int(qsl[3])
     assert small.native.tokens.tolist() == list(range(n))

@@ -82,6 +82,31 @@ def test_one_c_call_gives_the_python_forwards_hidden_states_bit_for_bit(
 
 
 @pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize("kind", ["llama", "phi3", "gemma2"])
+def test_prompt_chunks_take_the_prefill_kernel_inside_the_call(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heads of 64 (the prefill kernel's): the prompt chunks of mixed steps go to the prefill
+    kernel inside the one call, over their keys gathered from the cache (from the window's
+    first block on, behind zero rows up to a whole softmax step: phi3's window of 48 and
+    gemma2's sliding layers), with the Python path's bits. One-token chunks of a prompt too."""
+    from helpers.models import make_tiny_hf_model
+
+    folder = make_tiny_hf_model(kind, tmp_path, head_dim=64, sliding_window=48)
+    engine = tiny_engine(folder, max_num_batched_tokens=24)
+    checked = Checked(engine)
+    prompts = [*PROMPTS, list(range(3, 120)), [9] * 70]
+    tokens = _generate(engine, prompts, max_tokens=40)
+    tokens += _generate(engine, [[5, *p] for p in prompts[-2:]], max_tokens=40)  # cached blocks
+    assert all(len(t) == 40 for t in tokens)
+    assert checked.declined == 0 and checked.native.prompt_calls > 5
+    assert checked.native.calls == len(checked.served) and min(checked.served) == 1
+    plain = tiny_engine(folder, max_num_batched_tokens=24)
+    cpu_runtime(plain).decoder = None
+    assert _generate(plain, prompts, max_tokens=40) == tokens[: len(prompts)]
+
+
+@pytest.mark.usefixtures("each_build")
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
 def test_steps_past_the_row_blocks_apply_the_activation_on_the_tiles_with_the_same_bits(
     kind: str, tiny_model_dir: Callable[[str], Path]

@@ -157,10 +157,22 @@ typedef struct {
     const cbgen_layer_f32 *layer;
 } cbgen_decoder_f32;
 
-int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T);
+/* A step's attention work: the decode kernel's tokens and the prefill kernel's prompt chunks. */
+typedef struct {
+    int64_t decodes;              /* tokens the decode kernel takes */
+    const int64_t *decode_rows;   /* [decodes] their rows in the step; NULL: rows 0 .. decodes-1 */
+    const int32_t *block_table;   /* [decodes, bt_stride]: each token's sequence's blocks */
+    int64_t bt_stride;
+    const int32_t *seq_lens;      /* [decodes]: the keys each sees, itself included */
+    int64_t chunks;               /* prompt chunks the prefill kernel takes */
+    const int64_t *chunk;         /* [chunks, 3]: first row, rows, keys (seq_len) */
+    const int32_t *chunk_blocks;  /* [chunks, cb_stride]: each chunk's sequence's blocks */
+    int64_t cb_stride;
+} cbgen_decoder_step;
+
+int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T, int64_t max_keys);
 int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *residual,
                               const int64_t *positions, const int64_t *slots,
-                              const int32_t *block_table, int64_t bt_stride,
-                              const int32_t *seq_lens, float *work, float *out);
+                              const cbgen_decoder_step *step, float *work, float *out);
 
 #endif

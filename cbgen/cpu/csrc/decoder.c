@@ -1,5 +1,5 @@
-/* A whole forward pass of a Llama-type (or Gemma) decoder over a batch of decode tokens, in one
- * call: the same kernels, in the same order, on the same buffers as CausalLM.forward_layers (Gemma's)
+/* A whole forward pass of a Llama-type (or Gemma) decoder over a step's tokens (decodes, and
+ * prompt chunks of up to the matmuls' rows), in one call: the same kernels, in the same order, on the same buffers as CausalLM.forward_layers (Gemma's)
  * with the cpu ops and the cpu attention backend, so its hidden states are bit for bit that
  * path's. Per layer, with residual, x, h [T, H]:
  *
@@ -8,7 +8,8 @@
  *                                                    small_gemm_bf16 for bf16 panels)
  *   q and k heads RMSNormed in place                 (models with q/k norms: Qwen3)
  *   rope(q and k, side by side in each row)
- *   write k, v at their slots;  o = paged_decode(q over the cache)
+ *   write k, v at their slots;  o = attention:      paged_decode for the step's decodes,
+ *                                                    prefill_attention for its prompt chunks
  *   h = o @ Wo
  *   x = add_rmsnorm(residual += h, post_norm)
  *   h = silu_mul(x @ Wgate_up) @ Wdown                (one pass from small_gemm's row blocks on)
@@ -27,8 +28,11 @@
  * way: the K/V written so far are the values it writes again.
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "cbgen.h" /* the kernels it calls, cbgen_layer_f32, cbgen_decoder_f32 */
+
+#define KEY_STEP 64 /* keys per softmax step of the prefill kernel (KC, every ISA) */
 
 /* y [T, N] = x [T, K] @ W^T (+ bias) through the matmul the model's weights are packed for:
  * float32 panels (weights 0), bf16 panels widened (1) or with bf16 dot products (2), or GGUF
@@ -74,25 +78,95 @@ static int gated(const cbgen_decoder_f32 *m, const float *x, int64_t T, int64_t 
     return 0;
 }
 
-/* Floats of workspace a call over T tokens needs. */
-int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T) {
+/* Floats of workspace a call over T tokens needs, its prompt chunks reading max_keys keys at
+ * most. */
+int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T, int64_t max_keys) {
     const int64_t q = m->heads * m->head_dim, kv = m->kv_heads * m->head_dim;
-    return T * (3 * m->hidden + (q + 2 * kv) + q + 3 * m->inter);
+    return T * (3 * m->hidden + (q + 2 * kv) + q + 3 * m->inter) + 2 * T * q +
+           2 * (max_keys + KEY_STEP) * kv;
+}
+
+/* The first block a prompt chunk's keys are gathered from: its first query's window's (the
+ * torch backend's first_window_block). */
+static int64_t window_block(int64_t seq_len, int64_t rows, int64_t window, int64_t bs) {
+    if (window <= 0) return 0;
+    const int64_t key = seq_len - rows - window + 1;
+    return (key > 0 ? key : 0) / bs;
+}
+
+/* o [T, Q] = the layer's attention of the step's queries (rows of qkv): the decodes through the
+ * decode kernel (their rows gathered into qd where they are not rows 0 .. decodes - 1, the
+ * results scattered back from od), each prompt chunk through the prefill kernel over its keys
+ * gathered from the cache into kb, vb behind zero rows up to a whole step (the cpu backend's
+ * step_aligned_context): the cpu backend's calls on the same values. */
+static int attend(const cbgen_decoder_f32 *m, const cbgen_layer_f32 *L,
+                  const cbgen_decoder_step *s, const float *qkv, int64_t row, float *o,
+                  float *qd, float *od, float *kb, float *vb) {
+    const int64_t D = m->head_dim, q = m->heads * D, kv = m->kv_heads * D, bs = m->block_size;
+    const size_t qbytes = (size_t)q * sizeof(float), kvbytes = (size_t)kv * sizeof(float);
+    int rc = 0;
+    if (s->decodes) {
+        const float *qs = qkv;
+        int64_t qstride = row;
+        float *os = o;
+        if (s->decode_rows) {
+            for (int64_t i = 0; i < s->decodes; ++i)
+                memcpy(qd + i * q, qkv + s->decode_rows[i] * row, qbytes);
+            qs = qd;
+            qstride = q;
+            os = od;
+        }
+        if (m->kv_bf16)
+            rc = cbgen_paged_decode_bf16kv(qs, qstride, (const uint16_t *)L->k_cache,
+                                           (const uint16_t *)L->v_cache, s->block_table,
+                                           s->bt_stride, s->seq_lens, s->decodes, m->heads,
+                                           m->kv_heads, D, bs, m->scale, L->window, m->softcap,
+                                           os);
+        else
+            rc = cbgen_paged_decode_f32(qs, qstride, L->k_cache, L->v_cache, s->block_table,
+                                        s->bt_stride, s->seq_lens, s->decodes, m->heads,
+                                        m->kv_heads, D, bs, m->scale, L->window, m->softcap, os);
+        if (rc) return rc;
+        if (s->decode_rows)
+            for (int64_t i = 0; i < s->decodes; ++i)
+                memcpy(o + s->decode_rows[i] * q, od + i * q, qbytes);
+    }
+    for (int64_t c = 0; c < s->chunks; ++c) {
+        if (m->kv_bf16) return -1; /* the Python path's (bf16 dot products or widened keys) */
+        const int64_t r0 = s->chunk[3 * c], n = s->chunk[3 * c + 1], len = s->chunk[3 * c + 2];
+        const int64_t k0 = window_block(len, n, L->window, bs) * bs, pad = k0 % KEY_STEP;
+        const int32_t *blocks = s->chunk_blocks + c * s->cb_stride;
+        memset(kb, 0, (size_t)pad * kvbytes);
+        memset(vb, 0, (size_t)pad * kvbytes);
+        for (int64_t p = k0; p < len; ++p) {
+            const int64_t slot = (int64_t)blocks[p / bs] * bs + p % bs;
+            memcpy(kb + (pad + p - k0) * kv, L->k_cache + slot * kv, kvbytes);
+            memcpy(vb + (pad + p - k0) * kv, L->v_cache + slot * kv, kvbytes);
+        }
+        rc = cbgen_prefill_attention_f32(qkv + r0 * row, row, kb, vb, o + r0 * q, q, n,
+                                         pad + len - k0 - n, m->heads, m->kv_heads, D, m->scale,
+                                         L->window, m->softcap);
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 /* residual [T, H]: the tokens' embeddings in, the residual stream out; out [T, H]: the hidden
- * states after the final norm. positions [T] and slots [T] int64; block_table [T, bt_stride]
- * and seq_lens [T] int32: token t's sequence, and the keys it sees (itself included). work:
+ * states after the final norm. positions [T] and slots [T] int64; step: which tokens are
+ * decodes and which prompt chunks (every token one or the other). work:
  * cbgen_decoder_work_f32 floats. 0, or the failing kernel's code. */
 int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *residual,
                               const int64_t *positions, const int64_t *slots,
-                              const int32_t *block_table, int64_t bt_stride,
-                              const int32_t *seq_lens, float *work, float *out) {
+                              const cbgen_decoder_step *step, float *work, float *out) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->inter;
     const int64_t q = m->heads * D, kv = m->kv_heads * D, row = q + 2 * kv;
     const int64_t blocked = m->blocked_rows > 0 ? m->blocked_rows : cbgen_small_gemm_blocked_rows();
+    int64_t max_keys = 0;
+    for (int64_t c = 0; c < step->chunks; ++c)
+        if (step->chunk[3 * c + 2] > max_keys) max_keys = step->chunk[3 * c + 2];
     float *x = work, *h = x + T * H, *a = h + T * H, *qkv = a + T * H, *o = qkv + T * row,
-          *gu = o + T * q, *act = gu + T * 2 * I;
+          *gu = o + T * q, *act = gu + T * 2 * I, *qd = act + T * I, *od = qd + T * q,
+          *kb = od + T * q, *vb = kb + (max_keys + KEY_STEP) * kv;
     int rc;
 #define CHECK(call)          \
     if ((rc = (call)) != 0) \
@@ -107,19 +181,13 @@ int cbgen_decoder_forward_f32(const cbgen_decoder_f32 *m, int64_t T, float *resi
         }
         cbgen_rope_f32(qkv, row, T, m->heads + m->kv_heads, D, positions, L->cos, L->sin);
         if (m->kv_bf16) { /* the cache holds bf16: written rounded, read widened */
-            uint16_t *kc = (uint16_t *)L->k_cache, *vc = (uint16_t *)L->v_cache;
-            CHECK(cbgen_write_kv_bf16(qkv + q, row, qkv + q + kv, row, kc, vc, m->num_slots,
-                                      slots, T, kv));
-            CHECK(cbgen_paged_decode_bf16kv(qkv, row, kc, vc, block_table, bt_stride, seq_lens,
-                                            T, m->heads, m->kv_heads, D, m->block_size,
-                                            m->scale, L->window, m->softcap, o));
+            CHECK(cbgen_write_kv_bf16(qkv + q, row, qkv + q + kv, row, (uint16_t *)L->k_cache,
+                                      (uint16_t *)L->v_cache, m->num_slots, slots, T, kv));
         } else {
             CHECK(cbgen_write_kv_f32(qkv + q, row, qkv + q + kv, row, L->k_cache, L->v_cache,
                                      m->num_slots, slots, T, kv));
-            CHECK(cbgen_paged_decode_f32(qkv, row, L->k_cache, L->v_cache, block_table,
-                                         bt_stride, seq_lens, T, m->heads, m->kv_heads, D,
-                                         m->block_size, m->scale, L->window, m->softcap, o));
         }
+        CHECK(attend(m, L, step, qkv, row, o, qd, od, kb, vb));
         if (m->gemma) {
             CHECK(matmul(m, o, T, q, L->o, H, 0, blocked, a));
             cbgen_add_rmsnorm_f32(a, 0, L->post_norm, m->eps, T, H, h);
