@@ -66,7 +66,7 @@ class CpuRuntime(Runtime):
         """From the one-call decoder where it serves the step (the same hidden states bit for
         bit), else the model's forward."""
         if self.decoder is not None:
-            hidden = self.decoder(input_ids, positions, kv_caches, meta)
+            hidden = self.decoder(input_ids, positions, kv_caches, meta, backend.bf16_dot_products)
             if hidden is not None:
                 return hidden if rows is None else hidden[rows]
         return self.model(input_ids, positions, kv_caches, meta, backend, rows)

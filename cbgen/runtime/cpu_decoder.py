@@ -8,8 +8,9 @@ makes the same calls, in the same order, on the same kinds of buffers, from C: t
 states are bit for bit the Python path's (tests/runtime/test_native_decoder.py). It serves the steps
 whose matmuls all go to small_gemm (the runtime's CpuThresholds.small_gemm_max_rows; a GGUF
 model's blocks take any rows) and whose attention the C kernels take as the cpu backend sends
-it: decodes to the decode kernel, prompt chunks (over a float32 cache) to the prefill kernel,
-their keys gathered from the cache as the backend gathers them. Any other step, and a step a
+it: decodes to the decode kernel, prompt chunks to the prefill kernel (its bf16 form over a
+bf16 cache with bf16 dot products), their keys gathered from the cache as the backend gathers
+them. Any other step, and a step a
 kernel refuses, runs the Python path.
 
 Which models: the plain Llama layer (LlamaForCausalLM with its MLP; Llama, Mistral, Qwen2 with its QKV
@@ -89,6 +90,7 @@ class _Decoder(ctypes.Structure):
                 "blocked_rows",
                 "weights",
                 "kv_bf16",
+                "bf16_dots",
             )
         ),
         ("eps", ctypes.c_float),
@@ -318,10 +320,12 @@ class NativeDecoder:
         positions: torch.Tensor,
         kv_caches: Sequence[torch.Tensor],
         meta: AttentionMetadata,
+        bf16_dots: bool = False,
     ) -> torch.Tensor | None:
         """The hidden states [T, hidden] after the final norm, as CausalLM.forward_layers returns them;
         None, having changed nothing the Python path would not redo, for a step it does not
-        serve."""
+        serve. bf16_dots: the attention backend's bf16_dot_products (prompt chunks over a bf16
+        cache)."""
         plan = meta.state
         t = input_ids.shape[0]
         if (
@@ -342,6 +346,7 @@ class NativeDecoder:
         assert struct is not None and self.lib is not None
         if struct.block_size != meta.block_size:
             return None
+        struct.bf16_dots = int(bf16_dots)
         step, keep = _step(native.tokens, native.blocks, native.seq_lens, chunks, t)
         struct.blocked_rows = self.thresholds.blocked_rows  # the runtime's, as it is now
         max_keys = max((c[2] for c in chunks), default=0)
@@ -374,12 +379,8 @@ class NativeDecoder:
 
     def _takes_chunks(self, kv_caches: Sequence[torch.Tensor]) -> bool:
         """Whether a step's prompt chunks can go through the call: the cpu backend sends them
-        to the float32 prefill kernel (it may prefer SDPA, or a bf16 cache its own forms)."""
-        return (
-            cpu_thresholds.prefill_split()[1]
-            and kernels.prefill_takes(self.head_dim)
-            and all(c.dtype == torch.float32 for c in kv_caches)
-        )
+        to the prefill kernel (unless it prefers SDPA)."""
+        return cpu_thresholds.prefill_split()[1] and kernels.prefill_takes(self.head_dim)
 
 
 def _step(

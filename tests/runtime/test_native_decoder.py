@@ -42,8 +42,10 @@ class Checked:
         self.declined = 0
         runtime.decoder = self  # type: ignore[assignment]
 
-    def __call__(self, input_ids: Any, positions: Any, kv_caches: Any, meta: Any) -> Any:
-        got = self.native(input_ids, positions, kv_caches, meta)
+    def __call__(
+        self, input_ids: Any, positions: Any, kv_caches: Any, meta: Any, bf16_dots: bool = False
+    ) -> Any:
+        got = self.native(input_ids, positions, kv_caches, meta, bf16_dots)
         if got is None:
             self.declined += 1
             return None
@@ -82,18 +84,28 @@ def test_one_c_call_gives_the_python_forwards_hidden_states_bit_for_bit(
 
 
 @pytest.mark.usefixtures("each_build")
-@pytest.mark.parametrize("kind", ["llama", "phi3", "gemma2"])
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("llama", {}),
+        ("phi3", {}),
+        ("gemma2", {}),
+        ("phi3", {"kv_cache_dtype": "bfloat16"}),  # widened from the bf16 cache
+        ("gemma2", {"dtype": "bfloat16"}),  # bf16 dot products where the build has them
+    ],
+)
 def test_prompt_chunks_take_the_prefill_kernel_inside_the_call(
-    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kind: str, options: dict[str, Any], tmp_path: Path
 ) -> None:
     """Heads of 64 (the prefill kernel's): the prompt chunks of mixed steps go to the prefill
     kernel inside the one call, over their keys gathered from the cache (from the window's
     first block on, behind zero rows up to a whole softmax step: phi3's window of 48 and
-    gemma2's sliding layers), with the Python path's bits. One-token chunks of a prompt too."""
+    gemma2's sliding layers; a bf16 cache's rows widened, or as they are with bf16 dot
+    products), with the Python path's bits. One-token chunks of a prompt too."""
     from helpers.models import make_tiny_hf_model
 
     folder = make_tiny_hf_model(kind, tmp_path, head_dim=64, sliding_window=48)
-    engine = tiny_engine(folder, max_num_batched_tokens=24)
+    engine = tiny_engine(folder, max_num_batched_tokens=24, **options)
     checked = Checked(engine)
     prompts = [*PROMPTS, list(range(3, 120)), [9] * 70]
     tokens = _generate(engine, prompts, max_tokens=40)
@@ -101,7 +113,7 @@ def test_prompt_chunks_take_the_prefill_kernel_inside_the_call(
     assert all(len(t) == 40 for t in tokens)
     assert checked.declined == 0 and checked.native.prompt_calls > 5
     assert checked.native.calls == len(checked.served) and min(checked.served) == 1
-    plain = tiny_engine(folder, max_num_batched_tokens=24)
+    plain = tiny_engine(folder, max_num_batched_tokens=24, **options)
     cpu_runtime(plain).decoder = None
     assert _generate(plain, prompts, max_tokens=40) == tokens[: len(prompts)]
 

@@ -152,6 +152,8 @@ typedef struct {
     int64_t weights;           /* the panels: 0 float32, 1 bf16 widened, 2 bf16 dot products,
                                   3 GGUF blocks (the layers' pointers are cbgen_qweights) */
     int64_t kv_bf16;           /* the caches hold bf16 (cast from the layers' float pointers) */
+    int64_t bf16_dots;         /* prompt chunks over a bf16 cache in bf16 dot products where
+                                  the build has them (the attention backend's choice) */
     float eps, scale, softcap; /* softcap 0: none */
     const float *final_norm;   /* [H] */
     const cbgen_layer_f32 *layer;

@@ -83,7 +83,7 @@ static int gated(const cbgen_decoder_f32 *m, const float *x, int64_t T, int64_t 
 int64_t cbgen_decoder_work_f32(const cbgen_decoder_f32 *m, int64_t T, int64_t max_keys) {
     const int64_t q = m->heads * m->head_dim, kv = m->kv_heads * m->head_dim;
     return T * (3 * m->hidden + (q + 2 * kv) + q + 3 * m->inter) + 2 * T * q +
-           2 * (max_keys + KEY_STEP) * kv;
+           3 * (max_keys + KEY_STEP) * kv;
 }
 
 /* The first block a prompt chunk's keys are gathered from: its first query's window's (the
@@ -132,20 +132,50 @@ static int attend(const cbgen_decoder_f32 *m, const cbgen_layer_f32 *L,
                 memcpy(o + s->decode_rows[i] * q, od + i * q, qbytes);
     }
     for (int64_t c = 0; c < s->chunks; ++c) {
-        if (m->kv_bf16) return -1; /* the Python path's (bf16 dot products or widened keys) */
         const int64_t r0 = s->chunk[3 * c], n = s->chunk[3 * c + 1], len = s->chunk[3 * c + 2];
         const int64_t k0 = window_block(len, n, L->window, bs) * bs, pad = k0 % KEY_STEP;
+        const int64_t keys = pad + len - k0;
         const int32_t *blocks = s->chunk_blocks + c * s->cb_stride;
+        rc = -2;
+        if (m->kv_bf16 && m->bf16_dots) { /* the cache's rows as they are */
+            uint16_t *kh = (uint16_t *)(vb + keys * kv), *vh = kh + keys * kv;
+            memset(kh, 0, (size_t)pad * kvbytes / 2);
+            memset(vh, 0, (size_t)pad * kvbytes / 2);
+            for (int64_t p = k0; p < len; ++p) {
+                const int64_t slot = (int64_t)blocks[p / bs] * bs + p % bs;
+                memcpy(kh + (pad + p - k0) * kv, (const uint16_t *)L->k_cache + slot * kv,
+                       kvbytes / 2);
+                memcpy(vh + (pad + p - k0) * kv, (const uint16_t *)L->v_cache + slot * kv,
+                       kvbytes / 2);
+            }
+            rc = cbgen_prefill_attention_bf16(qkv + r0 * row, row, kh, vh, o + r0 * q, q, n,
+                                              keys - n, m->heads, m->kv_heads, D, m->scale,
+                                              L->window, m->softcap);
+            if (rc != -2) { /* -2: no bf16 dot products in this build, widened below */
+                if (rc) return rc;
+                continue;
+            }
+        }
         memset(kb, 0, (size_t)pad * kvbytes);
         memset(vb, 0, (size_t)pad * kvbytes);
         for (int64_t p = k0; p < len; ++p) {
-            const int64_t slot = (int64_t)blocks[p / bs] * bs + p % bs;
-            memcpy(kb + (pad + p - k0) * kv, L->k_cache + slot * kv, kvbytes);
-            memcpy(vb + (pad + p - k0) * kv, L->v_cache + slot * kv, kvbytes);
+            const int64_t slot = (int64_t)blocks[p / bs] * bs + p % bs, j = pad + p - k0;
+            if (m->kv_bf16) { /* widened, exactly */
+                const uint16_t *kr = (const uint16_t *)L->k_cache + slot * kv;
+                const uint16_t *vr = (const uint16_t *)L->v_cache + slot * kv;
+                uint32_t *kd = (uint32_t *)(kb + j * kv), *vd = (uint32_t *)(vb + j * kv);
+                for (int64_t e = 0; e < kv; ++e) {
+                    kd[e] = (uint32_t)kr[e] << 16;
+                    vd[e] = (uint32_t)vr[e] << 16;
+                }
+            } else {
+                memcpy(kb + j * kv, L->k_cache + slot * kv, kvbytes);
+                memcpy(vb + j * kv, L->v_cache + slot * kv, kvbytes);
+            }
         }
-        rc = cbgen_prefill_attention_f32(qkv + r0 * row, row, kb, vb, o + r0 * q, q, n,
-                                         pad + len - k0 - n, m->heads, m->kv_heads, D, m->scale,
-                                         L->window, m->softcap);
+        rc = cbgen_prefill_attention_f32(qkv + r0 * row, row, kb, vb, o + r0 * q, q, n, keys - n,
+                                         m->heads, m->kv_heads, D, m->scale, L->window,
+                                         m->softcap);
         if (rc) return rc;
     }
     return 0;
