@@ -309,7 +309,12 @@ class ModelRunner:
         if num_rows == num_seqs:
             infos = self.infos
             prompt_lens = np.fromiter(
-                (infos[s.request_id].prompt_len for s in sched), dtype=np.int64, count=num_seqs
+                (  # the static policy's padding members have no info: all prompt
+                    info.prompt_len if (info := infos.get(s.request_id)) else len(st.token_ids)
+                    for s, st in zip(sched, states, strict=True)
+                ),
+                dtype=np.int64,
+                count=num_seqs,
             )
             meta.prompts = computed < prompt_lens
         return ids, pos, meta, logits_rows

@@ -121,11 +121,27 @@ def test_smollm2_long_prompts_through_the_prefill_kernel_match_transformers(
     ]
     assert min(len(p) for p in prompts) > 300
     expected = [hf_greedy(smollm2_hf, p, 16) for p in prompts]
+    runtime = engine.runtime  # shared by the engines below
+    decoder = getattr(runtime, "decoder", None)
+    in_c_call = 0
     for overrides in ({}, {"max_num_batched_tokens": 128}):
-        llm = LLM(engine=Engine(engine.config.replace(**overrides), share_weights_with=engine))
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-        assert [o.output_token_ids for o in outs] == expected, overrides
+        for one_call in (False, True):  # the Python forward (counted here), the one C call
+            if one_call and decoder is None:
+                continue
+            new = Engine(engine.config.replace(**overrides), share_weights_with=engine)
+            before = decoder.prompt_calls if decoder is not None else 0
+            runtime.decoder = decoder if one_call else None  # type: ignore[attr-defined]
+            try:
+                outs = LLM(engine=new).generate(
+                    prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+                )
+            finally:
+                runtime.decoder = decoder  # type: ignore[attr-defined]
+            assert [o.output_token_ids for o in outs] == expected, (overrides, one_call)
+            if one_call:
+                in_c_call += decoder.prompt_calls - before
     assert calls["without"] > 0 and calls["with context"] > 0
+    assert decoder is None or in_c_call > 0  # prompt chunks inside the one C call
 
 
 TINY_PROMPTS = [

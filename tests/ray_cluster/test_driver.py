@@ -70,11 +70,12 @@ def test_two_engines_give_the_local_run_s_rows(
 
 
 N = 60
-"""Rows of the kill tests: 48 tokens each over two engines of two slots, seconds of work."""
+"""Rows of the kill tests: 96 tokens each over two engines of two slots, seconds of work (at 48
+a busy CI machine once finished them on one engine before the second had loaded)."""
 
 
 def _long_run(tmp_path: Path, chat_model: Path, ray_cluster: str) -> list[str]:
-    src = many_rows(tmp_path / "in.jsonl", N, max_tokens=48)
+    src = many_rows(tmp_path / "in.jsonl", N, max_tokens=96)
     out = ["-o", str(tmp_path / "out.parquet"), "--log-interval", "0.05"]
     return ["run", str(src), *out, *tiny(chat_model), *_ray(ray_cluster)]
 
