@@ -324,8 +324,10 @@ def test_the_one_call_decoder_serves_bf16_with_the_python_forwards_hidden_states
     native, model, backend = runtime.decoder, engine.model, engine.backend
     served: list[int] = []
 
-    def checked(input_ids: Any, positions: Any, kv_caches: Any, meta: Any) -> Any:
-        got = native(input_ids, positions, kv_caches, meta)
+    def checked(
+        input_ids: Any, positions: Any, kv_caches: Any, meta: Any, bf16_dots: bool = False
+    ) -> Any:
+        got = native(input_ids, positions, kv_caches, meta, bf16_dots)
         if got is not None:
             want = model.forward_layers(input_ids, positions, kv_caches, meta, backend)
             assert torch.equal(got, want)
@@ -393,10 +395,14 @@ def test_prompt_chunks_attend_with_bf16_dot_products_over_a_bf16_cache(
     engine = _engine(folder, dtype="bfloat16")
     assert engine.backend.bf16_dot_products
     assert "bf16 dot products in the matmuls and the prompts' attention;" in engine.describe()
+    # the Python forward's calls, counted here (the one C call makes the same ones itself:
+    # tests/runtime/test_native_decoder.py)
+    engine.runtime.decoder = None  # type: ignore[attr-defined]
     _assert_top1_close(engine, _engine(folder))
     assert calls and max(calls) > 8
     calls.clear()
     wide = _engine(folder, dtype="bfloat16", kv_cache_dtype="float32")
+    wide.runtime.decoder = None  # type: ignore[attr-defined]
     assert not wide.backend.bf16_dot_products
     assert all(len(t) == 12 for t in _greedy(wide)) and not calls
 

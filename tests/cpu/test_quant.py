@@ -438,8 +438,10 @@ def test_the_one_call_decoder_serves_a_quantized_model_with_the_python_forwards_
     native, model, backend = runtime.decoder, engine.model, engine.backend
     served: list[int] = []
 
-    def checked(input_ids: Any, positions: Any, kv_caches: Any, meta: Any) -> Any:
-        got = native(input_ids, positions, kv_caches, meta)
+    def checked(
+        input_ids: Any, positions: Any, kv_caches: Any, meta: Any, bf16_dots: bool = False
+    ) -> Any:
+        got = native(input_ids, positions, kv_caches, meta, bf16_dots)
         if got is not None:
             want = model.forward_layers(input_ids, positions, kv_caches, meta, backend)
             assert torch.equal(got, want)
