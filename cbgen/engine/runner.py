@@ -161,6 +161,9 @@ class ModelRunner:
         self.row_seed = np.zeros(max_num_seqs, dtype=np.int64)
         self.row_draws = np.zeros(max_num_seqs, dtype=np.int64)
         """Per row, device draws: its request's seed and draw count."""
+        self.row_prompt_len = np.zeros(max_num_seqs, dtype=np.int64)
+        """Each row's prompt length (AttentionMetadata.prompts: a row's new tokens from below it
+        are a prompt's)."""
         self.max_model_len = max_model_len
         self.buffers = StepBuffers(
             max_num_seqs,
@@ -230,6 +233,10 @@ class ModelRunner:
                 self.row_random[state.row] = info is not None and not info.params.greedy
                 self.row_seed[state.row] = 0 if info is None else seed_int64(info.seed)
                 self.row_draws[state.row] = self.draws.get(s.request_id, 0)
+                # a padding member's tokens are all prompt
+                self.row_prompt_len[state.row] = (
+                    len(state.token_ids) if info is None else info.prompt_len
+                )
             else:
                 state = self.rows[s.request_id]
             n = len(s.new_block_ids)
@@ -307,16 +314,7 @@ class ModelRunner:
             bs,
         )
         if num_rows == num_seqs:
-            infos = self.infos
-            prompt_lens = np.fromiter(
-                (  # the static policy's padding members have no info: all prompt
-                    info.prompt_len if (info := infos.get(s.request_id)) else len(st.token_ids)
-                    for s, st in zip(sched, states, strict=True)
-                ),
-                dtype=np.int64,
-                count=num_seqs,
-            )
-            meta.prompts = computed < prompt_lens
+            meta.prompts = computed < self.row_prompt_len[rows]
         return ids, pos, meta, logits_rows
 
     def _stage_sampling(self, rows: np.ndarray) -> SamplingTensors | None:
