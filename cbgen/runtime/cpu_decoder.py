@@ -10,8 +10,7 @@ whose matmuls all go to small_gemm (the runtime's CpuThresholds.small_gemm_max_r
 model's blocks take any rows) and whose attention the C kernels take as the cpu backend sends
 it: decodes to the decode kernel, prompt chunks to the prefill kernel (its bf16 form over a
 bf16 cache with bf16 dot products), their keys gathered from the cache as the backend gathers
-them. Any other step, and a step a
-kernel refuses, runs the Python path.
+them. Any other step, and a step a kernel refuses, runs the Python path.
 
 Which models: the plain Llama layer (LlamaForCausalLM with its MLP; Llama, Mistral, Qwen2 with its QKV
 bias, Qwen3 with its q/k norms, SmolLM2, Phi-3 without partial rotary) and Gemma 2 / 3's (norms
@@ -338,7 +337,7 @@ class NativeDecoder:
             return None
         native = plan.native_for(None, kernels.prefill_takes(self.head_dim))
         chunks = native.prefills
-        if chunks and not self._takes_chunks(kv_caches):
+        if chunks and not self._takes_chunks():
             return None
         if not self._bound(kv_caches) and not self._bind(kv_caches, meta.block_size):
             return None
@@ -377,7 +376,7 @@ class NativeDecoder:
             self.prompt_calls += 1
         return out
 
-    def _takes_chunks(self, kv_caches: Sequence[torch.Tensor]) -> bool:
+    def _takes_chunks(self) -> bool:
         """Whether a step's prompt chunks can go through the call: the cpu backend sends them
         to the prefill kernel (unless it prefers SDPA)."""
         return cpu_thresholds.prefill_split()[1] and kernels.prefill_takes(self.head_dim)
