@@ -170,17 +170,28 @@ def numpy_gemm(name: str, blocks: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     return torch.from_numpy(acc)
 
 
-def test_activations_are_quantized_as_numpy_rounds_them() -> None:
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((5, 96)).astype(np.float32)
+@pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize(("m", "k"), [(5, 96), (64, 576), (3, 1536)])
+def test_activations_are_quantized_as_numpy_rounds_them(m: int, k: int) -> None:
+    """Each build's blocks (AVX-512 and AVX2 vectors, 16 and 8 lanes) give the scalar
+    rounding's bits: ties to even, saturated ends, zero blocks, a lone large element."""
+    rng = np.random.default_rng(m + k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 100, (m, 1))).astype(np.float32)
     x[1, :32] = 0.0  # an all-zero block: scale 0, every q 0
-    x[2, 3] = 127.5 * np.abs(x[2, :32]).max() / 127  # ties to even after scaling
+    # a block of scale 1/8 exactly: x / d = 2.5, 3.5 and -2.5, ties that round to even
+    x[1, 32:64] = rng.uniform(-1, 1, 32).astype(np.float32)
+    x[1, 32:36] = [15.875, 0.3125, 0.4375, -0.3125]
+    x[-1, 40] = -1e6  # one element sets the block's scale: the others round to 0
+    x[0, k - 1] = 3.0 * np.abs(x[0]).max()  # the last block's last element, negative and positive
+    x[0, k - 2] = -x[0, k - 1]
     got = quant.quantize_rows(torch.from_numpy(x))
     assert got is not None
     q, d, s, low = numpy_q8(x)
-    assert np.array_equal(got[0].numpy(), q.reshape(5, 96))
+    assert np.array_equal(got[0].numpy(), q.reshape(m, k))
     assert np.array_equal(got[1].numpy(), d) and np.array_equal(got[2].numpy(), s)
     assert np.array_equal(got[3].numpy(), low)
+    assert np.abs(q).max() == 127
+    assert got[0][1, 32:36].tolist() == [127, 2, 4, -2]
 
 
 @pytest.mark.parametrize("name", NAMES)

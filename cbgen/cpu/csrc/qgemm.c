@@ -291,32 +291,83 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+/* One block's scale d = max|x| / 127 and its inverse; every path computes them here, so that
+ * the vector blocks round as the scalar one does. */
+static inline void q8_scale(float amax, float *d, float *inv) {
+    *d = amax / 127.0f;
+    *inv = *d != 0.0f ? 1.0f / *d : 0.0f;
+}
+
+/* One block of 32: q = x / d rounded to nearest even (nearbyintf, cvtps2dq: the default
+ * rounding), its sum s and the sum l of its first 16. */
+static inline void q8_block(const float *xb, int8_t *qb, float *d, int32_t *s, int32_t *l) {
+    float inv;
+#if QISA == 2
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    q8_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))), d, &inv);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vinv));
+    const __m512i qb2 = _mm512_cvtps_epi32(_mm512_mul_ps(b, vinv));
+    _mm_storeu_si128((__m128i *)qb, _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtsepi32_epi8(qb2));
+    *l = _mm512_reduce_add_epi32(qa);
+    *s = *l + _mm512_reduce_add_epi32(qb2);
+#elif QISA == 1
+    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[i], mask));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    q8_scale(_mm_cvtss_f32(h), d, &inv);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i iq[4];
+    for (int i = 0; i < 4; ++i) iq[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv));
+    /* packs work within 128-bit lanes: dwords come out as 0 4 1 5 2 6 3 7 */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iq[0], iq[1]),
+                                         _mm256_packs_epi32(iq[2], iq[3]));
+    _mm256_storeu_si256((__m256i *)qb,
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i lo = _mm256_add_epi32(iq[0], iq[1]), hi = _mm256_add_epi32(iq[2], iq[3]);
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+    *l = _mm_cvtsi128_si32(t);
+    *s = *l + _mm_cvtsi128_si32(u);
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < QK; ++i) {
+        const float a = fabsf(xb[i]);
+        amax = a > amax ? a : amax;
+    }
+    q8_scale(amax, d, &inv);
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) {
+        const int v = (int)nearbyintf(xb[i] * inv);
+        qb[i] = (int8_t)v;
+        sum += v;
+        if (i == 15) *l = sum;
+    }
+    *s = sum;
+#endif
+}
+
 /* x's rows quantized: per block of 32, q (int8), d = max|x| / 127, s = sum q and l = the sum
  * of its first 16 q. */
 void cbgen_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *s,
                        int32_t *l) {
+    const int64_t KB = K / QK;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t b = 0; b < K / QK; ++b) {
-            const float *xb = x + m * K + b * QK;
-            float amax = 0.0f;
-            for (int i = 0; i < QK; ++i) {
-                const float a = fabsf(xb[i]);
-                amax = a > amax ? a : amax;
-            }
-            const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-            int32_t sum = 0, low = 0;
-            int8_t *qb = q + m * K + b * QK;
-            for (int i = 0; i < QK; ++i) {
-                const int v = (int)nearbyintf(xb[i] * id);
-                qb[i] = (int8_t)v;
-                sum += v;
-                if (i == 15) low = sum;
-            }
-            d[m * (K / QK) + b] = db;
-            s[m * (K / QK) + b] = sum;
-            l[m * (K / QK) + b] = low;
-        }
+        for (int64_t b = 0; b < KB; ++b)
+            q8_block(x + m * K + b * QK, q + m * K + b * QK, d + m * KB + b, s + m * KB + b,
+                     l + m * KB + b);
 }
 
 /* x quantized, as the tiles read it. */
