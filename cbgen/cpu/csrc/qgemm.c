@@ -103,6 +103,8 @@ static int qtype_of(int type, qtype *t) {
     do {                                                                                       \
         if ((R) == 1)                                                                          \
             BODY(&T, 1, __VA_ARGS__);                                                          \
+        else if ((R) == RMAX)                                                                  \
+            BODY(&T, RMAX, __VA_ARGS__);                                                       \
         else                                                                                   \
             BODY(&T, R, __VA_ARGS__);                                                          \
     } while (0)
@@ -697,9 +699,10 @@ int cbgen_q_gemm(int64_t nseg, const int64_t *types, const int64_t *weights, con
         const uint8_t *panel = (const uint8_t *)(intptr_t)weights[i] + local * SB * super_bytes(t);
         const int64_t c0 = col0[i] + local * QCOLS;
         const float *b = bias ? bias + c0 : 0;
-        int64_t m0 = 0;
-        for (int64_t tile = 0; tile < tiles; ++tile) {
-            const int R = (int)((M - m0) / (tiles - tile));
+        /* full tiles of RMAX rows (their own instances: the accumulators stay in registers),
+         * then the rest; a row's arithmetic does not depend on its tile */
+        for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
+            const int R = (int)(M - m0 < RMAX ? M - m0 : RMAX);
             float *out = y + m0 * N + c0;
             if (ref || QISA == 0) {
                 for (int r = 0; r < R; ++r)
@@ -715,7 +718,6 @@ int cbgen_q_gemm(int64_t nseg, const int64_t *types, const int64_t *weights, con
             else
                 for (int h = 0; h < 2; ++h) tile_avx2(t, panel, SB, R, &xr, m0, out, N, b, h);
 #endif
-            m0 += R;
         }
     }
     return 0;
