@@ -116,12 +116,7 @@ static int qtype_of(int type, qtype *t) {
     case 20: BOTH(BODY, T_Q5_0, R, __VA_ARGS__); break;                                        \
     case 21: BOTH(BODY, T_Q5_1, R, __VA_ARGS__); break;                                        \
     case 22: BOTH(BODY, T_Q5_K, R, __VA_ARGS__); break;                                        \
-    case 24: /* Q6_K: one row only (unrolled, 8-32 rows ran 20 % slower, measured) */        \
-        if ((R) == 1)                                                                          \
-            BODY(&T_Q6_K, 1, __VA_ARGS__);                                                     \
-        else                                                                                   \
-            BODY(t, R, __VA_ARGS__);                                                           \
-        break;                                                                                 \
+    case 24: BOTH(BODY, T_Q6_K, R, __VA_ARGS__); break;                                        \
     default: BOTH(BODY, T_Q8_0, R, __VA_ARGS__); break;                                        \
     }
 
