@@ -372,7 +372,8 @@ typedef struct {
     const int8_t *q;
     const float *d;
     const int32_t *s, *l;
-    int64_t K, KB; /* row strides of q and of d, s, l */
+    const float *ds; /* d (float)s: the min term's factor, once a block rather than once a panel */
+    int64_t K, KB;   /* row strides of q and of d, s, l, ds */
 } qrows;
 
 /* x's sum over sub-block i of group b of a row (Q6_K: halves of 16). */
@@ -525,7 +526,7 @@ static inline __attribute__((always_inline)) void tile_vnni_body(
                 }
                 for (int r = 0; r < R; ++r) {
                     const int64_t k = (row0 + r) * x->KB + b;
-                    const __m512 dxs = _mm512_set1_ps(x->d[k] * (float)x->s[k]);
+                    const __m512 dxs = _mm512_set1_ps(x->ds[k]);
                     if (t->min == 1) acc[r] = _mm512_fmadd_ps(mv, dxs, acc[r]);
                     else acc[r] = _mm512_fnmadd_ps(mv, dxs, acc[r]);
                 }
@@ -633,7 +634,7 @@ static inline __attribute__((always_inline)) void tile_avx2_body(
                     t->kq ? _mm256_mul_ps(m, cvt_scales(scales + (subs + g) * QCOLS, 0)) : m;
                 for (int r = 0; r < R; ++r) {
                     const int64_t k = (row0 + r) * x->KB + b;
-                    const __m256 dxs = _mm256_set1_ps(x->d[k] * (float)x->s[k]);
+                    const __m256 dxs = _mm256_set1_ps(x->ds[k]);
                     if (t->min == 1) acc[r] = _mm256_fmadd_ps(mv, dxs, acc[r]);
                     else acc[r] = _mm256_fnmadd_ps(mv, dxs, acc[r]);
                 }
@@ -671,14 +672,16 @@ int cbgen_q_gemm(int64_t nseg, const int64_t *types, const int64_t *weights, con
     }
     if (M == 0) return 0;
     const int64_t KB = K / QK, N = col0[nseg];
-    /* x quantized: q [M, K] int8, then d [M, KB] float, s and l [M, KB] int32 */
-    uint8_t *buf = thread_buffer(M * K + M * KB * 12 + 64);
+    /* x quantized: q [M, K] int8, then d [M, KB] float, s and l [M, KB] int32, ds float */
+    uint8_t *buf = thread_buffer(M * K + M * KB * 16 + 64);
     if (!buf) return -2;
     int8_t *qx = (int8_t *)buf;
     float *dx = (float *)(buf + (M * K + 63) / 64 * 64);
     int32_t *sx = (int32_t *)(dx + M * KB), *lx = sx + M * KB;
+    float *dsx = (float *)(lx + M * KB);
     cbgen_q8_quantize(x, M, K, qx, dx, sx, lx);
-    const qrows xr = {qx, dx, sx, lx, K, KB};
+    for (int64_t i = 0; i < M * KB; ++i) dsx[i] = dx[i] * (float)sx[i];
+    const qrows xr = {qx, dx, sx, lx, dsx, K, KB};
     const int64_t tiles = (M + RMAX - 1) / RMAX, P = first[nseg];
     /* One tile of rows (decode) reads each weight byte once and does little with it: each thread
      * takes a contiguous run of panels, one stream the prefetchers follow. More rows: one panel
