@@ -295,6 +295,15 @@ static inline void q8_scale(float amax, float *d, float *inv) {
     *inv = *d != 0.0f ? 1.0f / *d : 0.0f;
 }
 
+#if QISA == 1
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    return _mm_cvtsi128_si32(t);
+}
+#endif
+
 /* One block of 32: q = x / d rounded to nearest even (nearbyintf, cvtps2dq: the default
  * rounding), its sum s and the sum l of its first 16. */
 static inline void q8_block(const float *xb, int8_t *qb, float *d, int32_t *s, int32_t *l) {
@@ -328,15 +337,8 @@ static inline void q8_block(const float *xb, int8_t *qb, float *d, int32_t *s, i
                                          _mm256_packs_epi32(iq[2], iq[3]));
     _mm256_storeu_si256((__m256i *)qb,
                         _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    const __m256i lo = _mm256_add_epi32(iq[0], iq[1]), hi = _mm256_add_epi32(iq[2], iq[3]);
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
-    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
-    *l = _mm_cvtsi128_si32(t);
-    *s = *l + _mm_cvtsi128_si32(u);
+    *l = hsum8_epi32(_mm256_add_epi32(iq[0], iq[1]));
+    *s = *l + hsum8_epi32(_mm256_add_epi32(iq[2], iq[3]));
 #else
     float amax = 0.0f;
     for (int i = 0; i < QK; ++i) {
