@@ -11,7 +11,7 @@ HUGE_PAGE = 2 << 20
 
 
 class HugePageArena:
-    """Float32 buffers in anonymous memory maps advised for transparent huge pages
+    """Buffers in anonymous memory maps advised for transparent huge pages
     (`MADV_HUGEPAGE`, which the kernel honours when THP is `always` or `madvise`), handed
     out back to back from chunks of at least `chunk_bytes` (huge-page aligned, so each page
     the buffers fill is one 2 MiB page).
@@ -25,20 +25,21 @@ class HugePageArena:
 
     def __init__(self, chunk_bytes: int = 64 << 20) -> None:
         self.chunk_bytes = chunk_bytes
-        self._chunk: torch.Tensor | None = None  # float32, the current chunk's unused tail
+        self._chunk: torch.Tensor | None = None  # uint8, the current chunk's unused tail
         self.huge = hasattr(mmap, "MADV_HUGEPAGE")
 
-    def empty(self, numel: int) -> torch.Tensor:
-        """An uninitialised float32 tensor of numel elements (64-byte aligned)."""
+    def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised 1-D tensor of numel elements of dtype (64-byte aligned)."""
+        nbytes = numel * dtype.itemsize
         if not self.huge or numel == 0:
-            return torch.empty(numel, dtype=torch.float32)
-        size = -(-numel // 16) * 16  # keep the next buffer on a cache line
+            return torch.empty(numel, dtype=dtype)
+        size = -(-nbytes // 64) * 64  # keep the next buffer on a cache line
         if self._chunk is None or self._chunk.numel() < size:
-            self._chunk = self._new_chunk(size * 4)
+            self._chunk = self._new_chunk(size)
             if self._chunk is None:
-                return torch.empty(numel, dtype=torch.float32)
-        out, self._chunk = self._chunk[:numel], self._chunk[size:]
-        return out
+                return torch.empty(numel, dtype=dtype)
+        out, self._chunk = self._chunk[:nbytes], self._chunk[size:]
+        return out.view(dtype)
 
     def _new_chunk(self, nbytes: int) -> torch.Tensor | None:
         nbytes = -(-max(nbytes, self.chunk_bytes) // HUGE_PAGE) * HUGE_PAGE
@@ -51,4 +52,9 @@ class HugePageArena:
             return None
         whole = torch.frombuffer(buf, dtype=torch.uint8)
         start = -whole.data_ptr() % HUGE_PAGE
-        return torch.frombuffer(buf, dtype=torch.float32, count=nbytes // 4, offset=start)
+        return whole[start : start + nbytes]
+
+
+WEIGHTS = HugePageArena()
+"""The arena every packed weight form takes its memory from (float32 and bf16 panels, GGUF
+blocks)."""

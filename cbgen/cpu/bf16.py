@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from cbgen.cpu import build
+from cbgen.cpu.arena import WEIGHTS
 from cbgen.cpu.gemm import GATED_ACTIVATIONS
 
 PANEL = 32
@@ -26,8 +27,9 @@ def native() -> bool:
 
 
 def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] bfloat16 packed for small_gemm_bf16; None when N is not a multiple of 32,
-    the weight not bfloat16, or the kernels unavailable."""
+    """weight [N, K] bfloat16 packed for small_gemm_bf16 (in huge pages where the OS gives
+    them: cbgen.cpu.arena); None when N is not a multiple of 32, the weight not bfloat16, or
+    the kernels unavailable."""
     if weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(
             f"weight: expected a 2-D CPU tensor, got shape {list(weight.shape)} on {weight.device}"
@@ -38,7 +40,7 @@ def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     w = weight.contiguous()
     kp = int(lib.cbgen_panel_k_bf16(k))
-    out = torch.empty(n // PANEL, kp, PANEL, dtype=torch.bfloat16)
+    out = WEIGHTS.empty(n * kp, torch.bfloat16).view(n // PANEL, kp, PANEL)
     lib.cbgen_pack_panels_bf16(w.data_ptr(), n, k, out.data_ptr())
     return out
 

@@ -8,15 +8,12 @@ from __future__ import annotations
 import torch
 
 from cbgen.cpu import build
-from cbgen.cpu.arena import HugePageArena
+from cbgen.cpu.arena import WEIGHTS
 from cbgen.cpu.checks import check, check_contiguous, library
 from cbgen.cpu.thresholds import build_small_gemm_blocked_rows
 
 PANEL = 32
 """Output columns per packed panel of small_gemm (N must be a multiple)."""
-
-
-_WEIGHT_ARENA = HugePageArena()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
@@ -31,7 +28,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     if lib is None or weight.dtype != torch.float32 or n % PANEL:
         return None
     w = weight.contiguous()
-    out = _WEIGHT_ARENA.empty(n * k)
+    out = WEIGHTS.empty(n * k)
     lib.cbgen_pack_panels_f32(w.data_ptr(), n, k, out.data_ptr())
     return out.view(n // PANEL, k, PANEL)
 

@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from cbgen.cpu import build
+from cbgen.cpu.arena import WEIGHTS
 
 TYPES = {
     "Q4_0": 2,
@@ -49,8 +50,9 @@ def supports(type_id: int, n: int, k: int) -> bool:
 
 
 def pack(type_id: int, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
-    """The file's rows of blocks (uint8 [n, k / block weights * block bytes]) repacked for q_gemm; None
-    without the kernels or where the type or shape is not taken."""
+    """The file's rows of blocks (uint8 [n, k / block weights * block bytes]) repacked for q_gemm
+    (in huge pages where the OS gives them: cbgen.cpu.arena); None without the kernels or where
+    the type or shape is not taken."""
     lib = build.load_library()
     if lib is None or not supports(type_id, n, k):
         return None
@@ -59,7 +61,7 @@ def pack(type_id: int, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor | N
     if blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
         raise ValueError(f"blocks: expected uint8 {want}, got {blocks.dtype} {tuple(blocks.shape)}")
     size = int(lib.cbgen_q_packed_bytes(type_id, n, k))
-    out = torch.empty(size, dtype=torch.uint8)
+    out = WEIGHTS.empty(size, torch.uint8)
     src = blocks.contiguous()
     if lib.cbgen_q_pack(type_id, src.data_ptr(), n, k, out.data_ptr()):
         return None

@@ -18,8 +18,8 @@ from helpers import REPO
 from helpers.reference import attention_float64
 
 from cbgen.attention import cpu_backend, torch_backend
+from cbgen.cpu import bf16, gemm, head_kernels, kernels, quant
 from cbgen.cpu import build as cpu_build
-from cbgen.cpu import gemm, head_kernels, kernels
 from cbgen.cpu import thresholds as cpu_thresholds
 from cbgen.cpu.arena import HUGE_PAGE, HugePageArena
 from cbgen.cpu.features import ISA_SETTING, CpuInfo, cpu_info
@@ -581,16 +581,33 @@ def test_huge_page_arena_hands_out_disjoint_aligned_buffers() -> None:
         assert bufs[1].data_ptr() - bufs[0].data_ptr() == 64  # 5 floats, rounded to a cache line
         if _thp_mode() in ("always", "madvise"):
             assert all(_thp_eligible(b.data_ptr()) for b in bufs)
+    # other element types from the same chunks, each on a cache line of its own
+    small = [arena.empty(3, torch.uint8), arena.empty(5, torch.bfloat16), arena.empty(2)]
+    assert [b.dtype for b in small] == [torch.uint8, torch.bfloat16, torch.float32]
+    assert [b.shape for b in small] == [(3,), (5,), (2,)]
+    assert all(b.data_ptr() % 64 == 0 for b in small)
+    for i, b in enumerate(small):
+        b.fill_(100 + i)
+    assert [b.tolist() for b in small] == [[100] * 3, [101.0] * 5, [102.0] * 2]
+    assert torch.equal(bufs[-1], torch.full_like(bufs[-1], 5.0))
     plain = HugePageArena()
     plain.huge = False  # no MADV_HUGEPAGE on this OS: ordinary tensors
     assert plain.empty(10).shape == (10,)
+    assert plain.empty(10, torch.uint8).dtype == torch.uint8
 
 
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
-def test_packed_panels_live_in_memory_advised_for_huge_pages() -> None:
-    panels = gemm.pack_panels(torch.randn(96, 64))
-    assert panels is not None
-    assert _thp_eligible(panels.data_ptr())
+def test_packed_weights_live_in_memory_advised_for_huge_pages() -> None:
+    # every packed form a decode step streams: float32 and bf16 panels, GGUF blocks (Q8_0)
+    blocks = torch.randint(0, 256, (16, 2 * 34), dtype=torch.uint8)
+    packed = [
+        gemm.pack_panels(torch.randn(96, 64)),
+        bf16.pack_panels_bf16(torch.randn(96, 64).to(torch.bfloat16)),
+        quant.pack(8, blocks, 16, 64),  # ggml type 8: Q8_0
+    ]
+    for p in packed:
+        assert p is not None
+        assert _thp_eligible(p.data_ptr())
     plain = torch.empty(1 << 20)  # the control: torch's own allocation is not advised
     assert _thp_mode() == "always" or _thp_eligible(plain.data_ptr()) is False
 
