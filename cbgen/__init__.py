@@ -1,6 +1,7 @@
 """cbgen: offline batch generation with continuous batching over a paged KV cache."""
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
+from cbgen.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "__version__"]

@@ -25,7 +25,8 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from cbgen.config import DEFAULT_MODEL, EngineConfig, SamplingParams, parse_size
+from cbgen.config import DEFAULT_MODEL, EngineConfig, parse_size
+from cbgen.sampling_params import SamplingParams
 
 ENGINE_PANEL = "Engine (EngineConfig)"
 SAMPLING_PANEL = "Sampling defaults (SamplingParams; a row's own fields win)"

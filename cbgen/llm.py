@@ -7,10 +7,11 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.engine import Engine
 from cbgen.engine.outputs import RequestOutput
 from cbgen.metrics import RequestMetrics
+from cbgen.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 

@@ -10,7 +10,8 @@ import typer
 from click import Command
 
 from cbgen.cli_options import NO_ENGINE_OPTIONS, EngineOptions, SamplingOptions, _add_options
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
+from cbgen.sampling_params import SamplingParams
 
 
 def _command(fn: object) -> Command:

@@ -106,8 +106,8 @@ def main() -> None:
     args = p.parse_args()
 
     def body(result: Result) -> None:
-        from cbgen.config import SamplingParams
         from cbgen.llm import LLM
+        from cbgen.sampling_params import SamplingParams
 
         items = load_workload(args.workload)
         llm = LLM(

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.profile import build_profile_batch
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams
 from tools.gpu_context import ROOT, CheckContext, common_prefix, hf_greedy, hf_model, vocab_size
 from tools.gpu_fixtures import (
     decode_batch,

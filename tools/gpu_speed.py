@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from cbgen.attention import get_attention_backend
-from cbgen.config import SamplingParams
 from cbgen.engine.cuda_graphs import capture_sizes
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
 from cbgen.models.config import BUILTIN_SHAPES
 from cbgen.models.triton_ops import TritonOps
+from cbgen.sampling_params import SamplingParams
 from tools.gpu_context import (
     HBM_BYTES_PER_S,
     CheckContext,

@@ -103,7 +103,7 @@ class Distance:
 def cbgen_prompt_logits(engine: Any, prompts: Sequence[list[int]]) -> Iterator[torch.Tensor]:
     """float32 [P - 1, vocab] per prompt: the logits at positions 0 .. P-2 as the engine's prompt
     scoring computes them (see the module docstring), one prompt at a time."""
-    from cbgen.config import SamplingParams
+    from cbgen.sampling_params import SamplingParams
 
     model = engine.model
     rows: list[torch.Tensor] = []

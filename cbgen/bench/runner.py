@@ -23,11 +23,11 @@ import numpy as np
 import psutil
 
 from cbgen.bench.workloads import BenchRequest
-from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.outputs import RequestOutput, StepStats
 from cbgen.engine.request import Request
 from cbgen.engine.static_scheduler import PaddingStats
+from cbgen.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from cbgen.bench.runner import bench_params
 from cbgen.bench.workloads import BenchRequest
-from cbgen.config import SamplingParams, StructuredOutputs
+from cbgen.sampling_params import SamplingParams, StructuredOutputs
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

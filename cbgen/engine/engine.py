@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 
 from cbgen.attention import get_attention_backend
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.cuda_graphs import capture_sizes, graphs_unavailable
 from cbgen.engine.detokenize import Detokenizer
 from cbgen.engine.memory import check_quantized_memory, plan_cpu_weights
@@ -53,6 +53,7 @@ from cbgen.models.source import resolve_model
 from cbgen.models.tokenizer import load_tokenizer
 from cbgen.phases import LOAD, phase
 from cbgen.runtime import Runtime, bind, cpu_bf16_mode, quantized_types
+from cbgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("cbgen")
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cbgen.config import SamplingParams
+from cbgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cbgen.engine.sampler import SamplingRow

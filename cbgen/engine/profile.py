@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.sampler import Sampler, SamplingRow
 from cbgen.models.base import CausalLM
+from cbgen.sampling_params import SamplingParams
 
 logger = logging.getLogger("cbgen")
 

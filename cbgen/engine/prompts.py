@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cbgen.config import SamplingParams
+from cbgen.sampling_params import SamplingParams
 
 
 class Prompts:

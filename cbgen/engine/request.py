@@ -14,8 +14,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from cbgen.config import SamplingParams
 from cbgen.engine.logprobs import PositionLogprobs
+from cbgen.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from cbgen.attention import AttentionBackend, AttentionMetadata
-from cbgen.config import SamplingParams
 from cbgen.engine.cuda_graphs import DecodeGraphs, bucket_for
 from cbgen.engine.logprobs import PositionLogprobs
 from cbgen.engine.sampler import (
@@ -47,6 +46,7 @@ from cbgen.engine.step_inputs import StepBuffers, fill_padding
 from cbgen.engine.structured import GrammarState
 from cbgen.models.base import CausalLM
 from cbgen.runtime.base import Runtime
+from cbgen.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cbgen.config import SamplingParams
 from cbgen.engine.logit_processors import (
     apply_logit_controls,
     apply_penalties_rows,
@@ -29,6 +28,7 @@ from cbgen.engine.logit_processors import (
 )
 from cbgen.engine.logprobs import PositionLogprobs
 from cbgen.engine.structured import GrammarState, apply_grammar_masks
+from cbgen.sampling_params import SamplingParams
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cbgen.config import StructuredOutputs
+from cbgen.sampling_params import StructuredOutputs
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
 """json_object's schema: any JSON object."""

@@ -22,9 +22,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.io.input_files import edge_digest
 from cbgen.io.rows import ChatDefaults, ColumnSpec
+from cbgen.sampling_params import SamplingParams
 
 SETTINGS_FILE = "settings.json"
 METADATA_KEY = b"cbgen.settings"

@@ -15,8 +15,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from cbgen.config import SamplingParams
 from cbgen.io.rows import ColumnSpec, InputRow, Messages, Prompt, RowError
+from cbgen.sampling_params import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.display import Display, ProgressSnapshot
 from cbgen.io.bucket import BucketLayout
 from cbgen.io.pipeline import GenerationLoop
@@ -20,6 +20,7 @@ from cbgen.io.stop import StopFlag
 from cbgen.io.storage import Storage
 from cbgen.io.writer import OutputLayout, staging_tag
 from cbgen.phases import StartupTimes, listening
+from cbgen.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

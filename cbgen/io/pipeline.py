@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cbgen.config import SamplingParams
 from cbgen.display import Display, ProgressSnapshot
 from cbgen.engine.outputs import RequestOutput
 from cbgen.io.parse import make_params
@@ -32,6 +31,7 @@ from cbgen.io.rows import ChatDefaults, InputRow, RowError
 from cbgen.io.schema import error_record, ok_record
 from cbgen.io.stop import StopFlag
 from cbgen.io.writer import row_key
+from cbgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cbgen.engine.engine import Engine

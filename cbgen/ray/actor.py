@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.display import ProgressSnapshot
 from cbgen.io.rows import ChatDefaults, InputRow
 from cbgen.phases import StartupTimes, listening
 from cbgen.ray.worker import EngineWorker, Outcome
+from cbgen.sampling_params import SamplingParams
 
 MIN_WAIT_S = 0.02
 """An exchange returns no sooner: rows finishing one by one travel a few at a time."""

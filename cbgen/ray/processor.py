@@ -37,12 +37,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.io.parse import make_params, parse_mapping
 from cbgen.io.rows import ChatDefaults, ColumnSpec, InputRow, RowError
 from cbgen.io.schema import BASE_NAMES, output_schema
 from cbgen.ray.cluster import RayOptions, import_ray, place_engines
 from cbgen.ray.worker import EngineWorker, Outcome
+from cbgen.sampling_params import SamplingParams
 
 Row = dict[str, Any]
 BATCHES_PER_ACTOR = 4

@@ -25,13 +25,14 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.display import Display, ProgressSnapshot
 from cbgen.engine.engine import Engine
 from cbgen.io.pipeline import END, GenerationLoop
 from cbgen.io.progress import ProgressTracker
 from cbgen.io.rows import ChatDefaults, InputRow
 from cbgen.io.stop import StopFlag
+from cbgen.sampling_params import SamplingParams
 
 Outcome = Literal["ok", "failed", "resumed"]
 """How a row ended: its samples written, one of them (or the row) an error, or all of them

@@ -33,7 +33,7 @@ from cbgen.attention import (
     triton_backend,
 )
 from cbgen.attention.select import get_attention_backend, resolve_backend_name
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.engine import Engine
 from cbgen.engine.profile import (
     build_profile_batch,
@@ -43,6 +43,7 @@ from cbgen.engine.profile import (
     run_profile_forward,
 )
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 HAS_CUDA = torch.cuda.is_available()

@@ -36,13 +36,13 @@ from cbgen.attention import AttentionBackend, AttentionMetadata, select
 from cbgen.attention.cpu_backend import CpuAttentionBackend
 from cbgen.attention.torch_backend import TorchAttentionBackend
 from cbgen.attention.triton_backend import TritonAttentionBackend, TritonPlan
-from cbgen.config import SamplingParams
 from cbgen.cpu import build, kernels, thresholds
 from cbgen.engine.engine import Engine
 from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
 from cbgen.llm import LLM
 from cbgen.models.config import ModelConfig
+from cbgen.sampling_params import SamplingParams
 
 WINDOW = 16
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.engine import Engine
 from cbgen.engine.outputs import RequestOutput
 from cbgen.engine.static_scheduler import PAD_ID_PREFIX
+from cbgen.sampling_params import SamplingParams
 from tools.model_shapes import TINY_LLAMA
 
 

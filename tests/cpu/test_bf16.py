@@ -15,7 +15,7 @@ import torch
 from helpers.models import make_tiny_hf_model
 
 from cbgen.attention import torch_backend
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.cpu import bf16, build, gemm, kernels
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
@@ -23,6 +23,7 @@ from cbgen.runtime import cpu as cpu_runtime
 from cbgen.runtime.cpu import CpuRuntime
 from cbgen.runtime.cpu_decoder import NativeDecoder
 from cbgen.runtime.cpu_linear import PackedBf16Linear
+from cbgen.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
 

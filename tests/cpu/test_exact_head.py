@@ -170,8 +170,8 @@ def test_engine_steps_take_the_head_and_keep_the_greedy_tokens(
     model here, whichever the loader would choose for this CPU); a penalised row, a top-p row
     and a low temperature take the float32 logits, the others still take the head. Greedy
     tokens are those of an engine without the head."""
-    from cbgen.config import SamplingParams
     from cbgen.engine.engine import Engine
+    from cbgen.sampling_params import SamplingParams
 
     def run(with_head: bool) -> tuple[dict[str, list[int]], list[int], int]:
         engine = Engine(

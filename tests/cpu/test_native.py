@@ -869,9 +869,10 @@ def test_without_the_kernels_the_engine_gives_the_same_greedy_tokens(
 ) -> None:
     """No C compiler on a node: the engine runs on the torch paths, token for token as with
     the kernels (mixed prefill chunks and decodes)."""
-    from cbgen.config import EngineConfig, SamplingParams
+    from cbgen.config import EngineConfig
     from cbgen.engine.engine import Engine
     from cbgen.llm import LLM
+    from cbgen.sampling_params import SamplingParams
 
     config = EngineConfig(
         model=str(tiny_model_dir(kind)), device="cpu", dtype="float32", kv_cache_memory=8 << 20,

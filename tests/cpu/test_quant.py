@@ -15,7 +15,6 @@ import pytest
 import torch
 from helpers.cli import run
 
-from cbgen.config import SamplingParams
 from cbgen.cpu import build, quant
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
@@ -27,6 +26,7 @@ from cbgen.models.quantized import (
 )
 from cbgen.runtime.cpu import CpuRuntime
 from cbgen.runtime.cpu_quant import QuantLinear
+from cbgen.sampling_params import SamplingParams
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (a test dependency) is not installed")
 pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())

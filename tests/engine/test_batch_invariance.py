@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from helpers.models import make_tiny_hf_model, tiny_engine
 
-from cbgen.config import SamplingParams
 from cbgen.cpu import build
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
 

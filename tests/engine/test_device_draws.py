@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import cbgen.engine.engine as engine_module
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.engine import Engine
 from cbgen.engine.runner import ModelRunner
 from cbgen.engine.sampler import Sampler, SamplingRow, SamplingTensors, seed_int64
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams
 
 if not torch.cuda.is_available() and not cbgen_kernels.interpreted():
     pytest.skip("no CUDA and the Triton interpreter is off", allow_module_level=True)

@@ -13,9 +13,9 @@ import torch
 from helpers.models import tiny_engine
 from helpers.reference import NEW_TOKENS, hf_greedy, run_cbgen, settings
 
-from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams
 
 SMOLLM2_PROMPTS: list[Any] = [
     "The capital of France is",

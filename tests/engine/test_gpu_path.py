@@ -18,10 +18,11 @@ import pytest
 import torch
 from helpers import REPO
 
-from cbgen.config import Device, EngineConfig, SamplingParams
+from cbgen.config import Device, EngineConfig
 from cbgen.engine.engine import Engine
 from cbgen.engine.runner import ModelRunner, NewRequestInfo, _draw_seed
 from cbgen.engine.sampler import Sampler, SamplingRow
+from cbgen.sampling_params import SamplingParams
 
 ROOT = REPO  # the checkout: what the GPU check and its subprocesses run from
 

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from cbgen.config import SamplingParams
 from cbgen.engine import kv_cache
 from cbgen.engine.block_pool import hash_block
 from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.request import Request
+from cbgen.sampling_params import SamplingParams
 
 
 def make_request(rid: str, prompt: Sequence[int]) -> Request:

@@ -13,12 +13,12 @@ import torch
 from helpers.cli import read_rows, run, tiny, write_jsonl
 from helpers.models import make_engine
 
-from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.sampler import Sampler, SamplingRow
 from cbgen.io.parse import parse_mapping
 from cbgen.io.rows import ColumnSpec
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams
 from tools.model_shapes import TINY_CHAT_LLAMA
 
 PROMPTS = [[40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 3, 77, 42, 42, 9, 250, 17], [30, 31]]

@@ -13,12 +13,12 @@ import pytest
 import torch
 from helpers.cli import read_rows, run, tiny, write_jsonl
 
-from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.engine.logprobs import TokenLogprob
 from cbgen.engine.outputs import RequestOutput
 from cbgen.io.parse import make_params, parse_mapping
 from cbgen.io.rows import ColumnSpec, RowError
+from cbgen.sampling_params import SamplingParams
 
 TOL = 1e-4
 PROMPTS = [

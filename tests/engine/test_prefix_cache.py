@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.engine import Engine
 from cbgen.engine.outputs import RequestOutput
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

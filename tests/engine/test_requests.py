@@ -19,9 +19,10 @@ import pytest
 import torch
 from helpers.models import make_engine, write_char_tokenizer
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams
 
 VOCAB = 256
 MAX_MODEL_LEN = 64

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.cpu import build, kernels
 from cbgen.engine.engine import Engine
 from cbgen.engine.logit_processors import apply_penalties, apply_penalties_rows, filter_logits
 from cbgen.engine.sampler import Sampler, SamplingRow
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams
 
 
 def row(

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from cbgen.attention import AttentionMetadata
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.cuda_graphs import bucket_for, capture_sizes, graphs_unavailable
 from cbgen.engine.engine import Engine
 from cbgen.engine.runner import ModelRunner
 from cbgen.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from cbgen.engine.step_inputs import PAD_SLOT
+from cbgen.sampling_params import SamplingParams
 
 MAX_NUM_SEQS = 13  # buckets 1, 2, 4, 8, 13: most batch sizes of the runs below are padded
 

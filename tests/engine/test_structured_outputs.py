@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from helpers.cli import read_rows, run, tiny, write_jsonl
 
-from cbgen.config import SamplingParams, StructuredOutputs
 from cbgen.engine.engine import Engine
 from cbgen.engine.structured import Grammars, choice_regex, reasoning_open
 from cbgen.io.parse import parse_mapping
 from cbgen.io.rows import ColumnSpec
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams, StructuredOutputs
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

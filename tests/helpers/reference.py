@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
+from cbgen.sampling_params import SamplingParams
 
 NEW_TOKENS = 32
 """Tokens each request generates in the token-exact tests."""

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 
 from hypothesis import strategies as st
 
-from cbgen.config import SamplingParams
 from cbgen.engine.kv_cache import KVCacheManager
 from cbgen.engine.request import Request
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
+from cbgen.sampling_params import SamplingParams
 
 BS = 4  # the block size of the scheduler tests unless stated
 

@@ -31,7 +31,7 @@ from helpers.cli import (
     write_jsonl,
 )
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.display import Display
 from cbgen.io import identity
 from cbgen.io.lock import OutputLock, OutputLockedError
@@ -42,6 +42,7 @@ from cbgen.io.schema import output_schema
 from cbgen.io.session import execute
 from cbgen.io.stop import StopFlag
 from cbgen.io.writer import OutputError, OutputLayout
+from cbgen.sampling_params import SamplingParams
 
 # ---- the output lock ---------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cbgen.config import SamplingParams, parse_size
+from cbgen.config import parse_size
 from cbgen.display import LogDisplay, ProgressSnapshot, format_status
 from cbgen.io.parse import make_params, parse_json_line
 from cbgen.io.rows import ColumnSpec, InputRow, RowError
@@ -31,6 +31,7 @@ from cbgen.io.writer import (
     read_stream,
     row_key,
 )
+from cbgen.sampling_params import SamplingParams
 
 SPEC = ColumnSpec()
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.display import Display, LiveDisplay, LogDisplay, ProgressSnapshot, format_startup
 from cbgen.io.part import RunPlan, generate_part, merge_stats
 from cbgen.io.rows import ColumnSpec
@@ -18,6 +18,7 @@ from cbgen.io.stop import StopFlag
 from cbgen.io.summary import format_summary
 from cbgen.io.writer import OutputLayout
 from cbgen.phases import BUILD, LOAD, TUNE
+from cbgen.sampling_params import SamplingParams
 
 BUILDING = "building CPU kernels for x86-64 znver4 avx512f avx2 fma (gcc 12.2): first use, cached"
 

@@ -28,10 +28,10 @@ from helpers.models import tiny_engine
 from helpers.reference import hf_greedy
 
 from cbgen.attention import torch_backend
-from cbgen.config import SamplingParams
 from cbgen.llm import LLM
 from cbgen.models.ops import TORCH_OPS, RopeKvOps
 from cbgen.models.triton_ops import TritonOps
+from cbgen.sampling_params import SamplingParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = pytest.mark.parametrize(

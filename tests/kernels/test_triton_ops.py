@@ -29,11 +29,12 @@ from pathlib import Path
 import cbgen_kernels
 import pytest
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
 from cbgen.models.ops import TORCH_OPS
 from cbgen.models.triton_ops import TritonOps
+from cbgen.sampling_params import SamplingParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -17,7 +17,7 @@ import torch
 from helpers.models import save_random
 from helpers.reference import hf_greedy
 
-from cbgen.config import AttentionBackendName, EngineConfig, SamplingParams
+from cbgen.config import AttentionBackendName, EngineConfig
 from cbgen.cpu.build import native_status
 from cbgen.cpu.kernels import fused_ops_available
 from cbgen.engine.engine import Engine
@@ -25,6 +25,7 @@ from cbgen.llm import LLM
 from cbgen.models.config import ModelConfig
 from cbgen.models.ops import TORCH_OPS
 from cbgen.runtime.cpu_ops import CPU_OPS
+from cbgen.sampling_params import SamplingParams
 from tools.model_shapes import TINY_CONFIGS
 
 NEW_TOKENS = 24

@@ -85,8 +85,8 @@ def test_sharded_weights_are_read_through_their_index(tmp_path: Path) -> None:
         engine = Engine(
             model=str(folder), device="cpu", dtype="float32", kv_cache_memory=4 << 20, num_threads=1
         )
-        from cbgen.config import SamplingParams
         from cbgen.llm import LLM
+        from cbgen.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         return LLM(engine=engine).generate([[5, 9, 17, 33]], params)[0].output_token_ids

@@ -12,9 +12,9 @@ import pytest
 import torch
 from helpers.models import tiny_engine
 
-from cbgen.config import SamplingParams
 from cbgen.llm import LLM
 from cbgen.runtime.cpu import CpuRuntime
+from cbgen.sampling_params import SamplingParams
 
 PROMPTS = [list(range(30, 70)), [1, 5, 9, 200, 17], [7] * 19, [100, 3, 77, 42, 42, 9, 250, 17]]
 

@@ -26,13 +26,14 @@ from helpers.models import make_tiny_hf_model, tiny_engine
 from helpers.reference import hf_greedy
 from safetensors.torch import save_file
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
 from cbgen.models.config import ModelConfig
 from cbgen.models.errors import ModelFileError
 from cbgen.models.moe import SparseMoeBlock, grouped_experts, route, sort_by_expert
 from cbgen.models.ops import TORCH_OPS
+from cbgen.sampling_params import SamplingParams
 from tools.model_shapes import TINY_CONFIGS
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -20,11 +20,11 @@ import torch
 from helpers.models import tiny_engine
 from helpers.reference import NEW_TOKENS, hf_greedy, run_cbgen, settings
 
-from cbgen.config import SamplingParams
 from cbgen.cpu.kernels import fused_ops_available
 from cbgen.engine.engine import Engine
 from cbgen.llm import LLM
 from cbgen.models.config import ModelConfig
+from cbgen.sampling_params import SamplingParams
 
 ORIGINAL = 64
 """original_max_position_embeddings of the tiny LongRoPE models (tests/conftest.py)."""

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from helpers.cli import read_rows, run, tiny, write_jsonl
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
+from cbgen.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.xdist_group("ray")]  # one worker, one cluster
 

@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.io.parse import parse_mapping
 from cbgen.io.rows import ColumnSpec, InputRow
 from cbgen.io.writer import row_key
 from cbgen.ray import worker as worker_module
 from cbgen.ray.actor import EngineActor, Reply
+from cbgen.sampling_params import SamplingParams
 
 
 def _row(index: int, **fields: object) -> InputRow:

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from helpers.models import tiny_engine
 
-from cbgen.config import SamplingParams
 from cbgen.cpu import build, gemm
 from cbgen.llm import LLM
 from cbgen.runtime.cpu import CpuRuntime
 from cbgen.runtime.cpu_linear import PackedF32Linear
+from cbgen.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
 

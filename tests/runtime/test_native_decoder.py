@@ -12,11 +12,11 @@ import pytest
 import torch
 from helpers.models import tiny_engine
 
-from cbgen.config import SamplingParams
 from cbgen.cpu import build, thresholds
 from cbgen.llm import LLM
 from cbgen.runtime.cpu import CpuRuntime
 from cbgen.runtime.cpu_decoder import NativeDecoder
+from cbgen.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(build.load_library() is None, reason=build.native_status())
 

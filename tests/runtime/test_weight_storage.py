@@ -20,7 +20,7 @@ from helpers.cli import run as run_cli
 from helpers.models import make_tiny_hf_model
 from helpers.reference import hf_greedy
 
-from cbgen.config import EngineConfig, SamplingParams
+from cbgen.config import EngineConfig
 from cbgen.cpu import build
 from cbgen.engine import memory
 from cbgen.engine.engine import Engine
@@ -30,6 +30,7 @@ from cbgen.models import base as linear_mod
 from cbgen.models.base import TORCH_LINEAR
 from cbgen.runtime import cpu as cpu_runtime
 from cbgen.runtime.cpu_linear import PackedBf16Linear
+from cbgen.sampling_params import SamplingParams
 from tools.model_shapes import TINY_CONFIGS
 
 NEW_TOKENS = 24

@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 
-from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
 from cbgen.models.gguf_file import GGUFFile
+from cbgen.sampling_params import SamplingParams
 from tools import gguf_models
 
 needs_llama_cpp = pytest.mark.skipif(

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbgen.config import SamplingParams
 from cbgen.engine.engine import Engine
+from cbgen.sampling_params import SamplingParams
 from tools import gguf_models, quant_quality
 
 PROMPTS = [[1, 520, 3000, 77, 9000, 12, 5, 600], list(range(100, 140)), [2, 3]]
