@@ -82,8 +82,9 @@ class CpuPlan:
 
     def native_for(self, window: int | None, prompt_kernel: bool = True) -> NativePlan:
         """The kernels' share under a sliding window (None: the plain one); prompt_kernel:
-        whether the prefill kernel takes this model's heads (kernels.prefill_takes)."""
-        if window is None and prompt_kernel:
+        whether the prefill kernel takes this model's heads (kernels.prefill_takes). Where it
+        takes every prompt token, a window changes no token's kernel: the plain plan serves."""
+        if prompt_kernel and (window is None or thresholds.prefill_split()[1]):
             return self.native
         nat = self.variants.get((window, prompt_kernel))
         if nat is None:
