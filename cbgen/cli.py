@@ -55,7 +55,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if sys.argv[1:2] == ["run"]:
-        from cbgen.run_command import bare_ray_flag
+        from cbgen.run_options import bare_ray_flag
 
         sys.argv[2:] = bare_ray_flag(sys.argv[2:])  # `--ray` alone: a local cluster
     _register()

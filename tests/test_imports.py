@@ -178,14 +178,16 @@ ALLOWED: dict[str, set[str]] = {
     # a run's engines on a Ray cluster, fed by the run's own reader and writer
     "cbgen.ray": {"cbgen.config", "cbgen.display", "cbgen.engine", "cbgen.io", "cbgen.phases"},
     "cbgen.cli_options": {"cbgen.config"},
+    "cbgen.run_options": {"cbgen.io", "cbgen.ray"},
     "cbgen.run_command": {
         "cbgen.cli_options",
+        "cbgen.run_options",
         "cbgen.config",
         "cbgen.display",
         "cbgen.io",
         "cbgen.ray",
     },
-    "cbgen.cli": {"cbgen", "cbgen.bench", "cbgen.models", "cbgen.run_command"},
+    "cbgen.cli": {"cbgen", "cbgen.bench", "cbgen.models", "cbgen.run_command", "cbgen.run_options"},
     "cbgen": {"cbgen.config", "cbgen.llm"},
 }
 """Package (or top-level module) -> the cbgen packages and modules it may import, anywhere in

@@ -9,7 +9,8 @@ RequestOutputs in cbgen.engine.detokenize.
 
 Longer than 400 lines: the Engine is the one object its callers hold, and its start-up reads in
 order in __init__ (each step's work in startup.py), next to the request and step paths that use
-what it set up.
+what it set up; its start-up line is composed in describe.py, a request's checks in
+admission.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch
 
 from cbgen.attention import get_attention_backend
 from cbgen.config import EngineConfig
+from cbgen.engine.admission import check_request
 from cbgen.engine.cuda_graphs import capture_sizes, graphs_unavailable
+from cbgen.engine.describe import describe_engine
 from cbgen.engine.detokenize import Detokenizer
 from cbgen.engine.memory import check_quantized_memory, plan_cpu_weights
 from cbgen.engine.outputs import RequestOutput, StepOutput, StepStats
@@ -33,7 +36,6 @@ from cbgen.engine.request import Request, RequestStatus
 from cbgen.engine.runner import ModelRunner, NewRequestInfo, RunnerOutput
 from cbgen.engine.scheduler import Scheduler, SchedulerOutput
 from cbgen.engine.startup import (
-    GiB,
     check_cuda_memory,
     kv_bytes_per_block,
     make_kv_cache,
@@ -229,28 +231,8 @@ class Engine:
         return kv_bytes_per_block(self.model_config, self.config.block_size, self.kv_dtype)
 
     def describe(self) -> str:
-        tokens = self.num_blocks * self.config.block_size
-        return (
-            f"model {self.source.name}"
-            + ("" if self.source.commit is None else f"@{self.source.commit[:12]}")
-            + f" ({self.model_config.model_type}, "
-            f"{self.model_config.num_parameters() / 1e6:.0f}M params) on {self.device} {self.dtype_name}"
-            + self._weight_storage()
-            + ", "
-            f"attention {self.backend.name}; KV cache {self.num_blocks} blocks x {self.config.block_size} "
-            f"tokens = {tokens} tokens ({self.num_blocks * self.kv_bytes_per_block / GiB:.2f} GiB), "
-            f"room for {tokens // self.max_model_len}+ sequences at max_model_len {self.max_model_len}"
-        ) + (
-            self.runtime.describe()
-            if self.device.type == "cpu"
-            else f"{self.runtime.describe()}; decode steps: {self._graphs_line()}"
-        )
-
-    def _graphs_line(self) -> str:
-        graphs = self.runner.graphs
-        if graphs is None:
-            return f"eager ({self.graphs_off})"
-        return f"CUDA graphs at batch sizes {graphs.sizes[0]}-{graphs.sizes[-1]} ({len(graphs)})"
+        """The start-up line: model, device and dtype, attention, KV cache, the runtime's kernels."""
+        return describe_engine(self)
 
     def keep_quantized(self) -> frozenset[int]:
         """The ggml types a GGUF file's linear tensors, embedding and LM head stay in (run in
@@ -271,33 +253,6 @@ class Engine:
         """What the run computes in, as the user names it: bfloat16 for the CPU's bf16 modes
         (whose activations are float32), else self.dtype."""
         return "bfloat16" if self.cpu_bf16 is not None else str(self.dtype).removeprefix("torch.")
-
-    def _weight_storage(self) -> str:
-        bf16_kv = self.kv_dtype == torch.bfloat16
-        if self.cpu_bf16 == "dot":
-            return (
-                " (bf16 weights"
-                + (" and KV cache" if bf16_kv else ", float32 KV cache")
-                + ", bf16 dot products in the matmuls"
-                + (" and the prompts' attention" if bf16_kv else "")
-                + "; float32 activations, norms, softmax and sampling)"
-            )
-        if self.cpu_bf16 == "widen":
-            return (
-                " (bf16 weights widened to float32 in the matmuls: this CPU has no bf16 dot "
-                "products, so the arithmetic is float32's, at 0.9-1.0x its speed; bf16 halves "
-                "the weights' memory; "
-                + (
-                    "KV cache bf16, widened as attention reads it)"
-                    if bf16_kv
-                    else "float32 KV cache)"
-                )
-            )
-        kv = " KV cache in bfloat16" if bf16_kv and self.dtype != torch.bfloat16 else ""
-        if self.weight_dtype == self.dtype:
-            return f" ({kv.strip()})" if kv else ""
-        name = str(self.weight_dtype).removeprefix("torch.")
-        return f" (weights kept in {name}, float32 arithmetic on them{',' + kv if kv else ''})"
 
     # ---- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -375,42 +330,8 @@ class Engine:
         return req
 
     def validate_request(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt: is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
-        for name, ids in (
-            ("logit_bias", list(params.logit_bias or ())),
-            ("allowed_token_ids", params.allowed_token_ids or []),
-        ):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
-        self.bad_words_token_ids(params)
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)
-        n = len(token_ids)
-        if n > self.max_prompt_len:
-            raise ValueError(
-                f"prompt: {n} tokens is longer than the {self.max_prompt_len} this engine allows"
-                + (
-                    " (max_model_len)"
-                    if self.max_prompt_len == self.max_model_len
-                    else " (max_num_batched_tokens without chunked prefill)"
-                )
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
-        need = self.kv.max_blocks_held(n + params.max_tokens, self.config.max_num_batched_tokens)
-        if need > self.num_blocks:
-            raise ValueError(
-                f"max_tokens: prompt + max_tokens needs {need} KV blocks, the cache has {self.num_blocks}"
-            )
+        """ValueError naming the field if the request can never run here (check_request)."""
+        check_request(self, token_ids, params)
 
     def bad_words_token_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """The token sequences params.bad_words may appear as (Prompts.bad_words_token_ids)."""

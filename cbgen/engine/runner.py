@@ -15,17 +15,15 @@ tensors are written into preallocated staging buffers and reach the device in on
 graph (cuda_graphs).
 
 Logits are computed at the last position of each request that samples, and, for requests
-with prompt_logprobs, at the prompt positions this step computes (see _score_prompts).
+with prompt_logprobs, at the prompt positions this step computes (prompt_scoring).
 
 Longer than 400 lines: one object owns the per-row state (block table rows, staged sampling
-parameters, generators, device-draw counts, prompt-scoring progress) that the bookkeeping, the
-flat batch, graph padding, sampling and prompt scoring all read and advance within a step.
+parameters, generators, device-draw counts) that the bookkeeping, the flat batch, graph padding
+and sampling all read and advance within a step.
 """
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +32,8 @@ import torch
 from cbgen.attention import AttentionBackend, AttentionMetadata
 from cbgen.engine.cuda_graphs import DecodeGraphs, bucket_for
 from cbgen.engine.logprobs import PositionLogprobs
+from cbgen.engine.memory import mapped_zeros
+from cbgen.engine.prompt_scoring import PromptScorer
 from cbgen.engine.sampler import (
     Sampler,
     SamplingRow,
@@ -85,39 +85,12 @@ SAMPLING_FIELDS = (
 )
 """The SamplingParams fields the runner stages per row (sampler.SamplingTensors, in order)."""
 
-PROMPT_LOGITS_ROWS = 256
-"""Prompt positions per LM-head call when scoring a prompt: bounds the logits tensor."""
-
 
 @dataclass
 class _RowState:
     row: int
     token_ids: list[int]
     num_blocks: int
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On the CPU it lives in an anonymous memory map, zero by definition:
-    nothing is written up front (gigabytes of KV cache cost no start-up time) and pages
-    become resident only when first used."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if not nbytes:
-        return torch.zeros(shape, dtype=dtype)
-    try:
-        # private, not Python's default shared mapping (shmem): its first-touch page faults,
-        # paid as the cache fills, cost about 1.5x less. No MADV_HUGEPAGE: a huge-page fault
-        # compacts and zeroes 2 MiB in the step that first writes there, and measured slower
-        # per KV write than 4 KiB faults, for no gain in attention reads.
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError as e:
-        raise ValueError(
-            f"kv_cache_memory: cannot map {nbytes / (1 << 30):.2f} GiB for one layer's KV cache "
-            f"({e.strerror}); give a smaller --kv-cache-memory"
-        ) from None
-    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
 class ModelRunner:
@@ -146,7 +119,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.kv_caches = [
-            zeros((2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim), dtype, device)
+            mapped_zeros(
+                (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim), dtype, device
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -184,9 +159,7 @@ class ModelRunner:
         self.draws: dict[str, int] = {}
         """Device draws: numbers each sampled request has drawn so far. Kept through
         preemption, so a recompute continues its stream as a host generator would."""
-        self.prompt_scored: dict[str, int] = {}
-        """Requests with prompt_logprobs: prompt tokens scored so far (the first counts: it
-        has no logprob). Kept through preemption, so a recompute scores nothing twice."""
+        self.prompt_scorer = PromptScorer()
         self.sampler = Sampler(self.device_draws, self.runtime.plain_sample)
 
     # ---- request bookkeeping -----------------------------------------------------------
@@ -200,7 +173,7 @@ class ModelRunner:
             # numbers alone or in any batch. A CUDA generator would refuse a host draw.
             self.generators[request_id] = torch.Generator(device="cpu").manual_seed(info.seed)
         if info.params.prompt_logprobs is not None:
-            self.prompt_scored[request_id] = 1
+            self.prompt_scorer.add(request_id)
 
     def _drop_row(self, request_id: str) -> None:
         state = self.rows.pop(request_id, None)
@@ -212,7 +185,7 @@ class ModelRunner:
         self.infos.pop(request_id, None)
         self.generators.pop(request_id, None)
         self.draws.pop(request_id, None)
-        self.prompt_scored.pop(request_id, None)
+        self.prompt_scorer.forget(request_id)
 
     # ---- one step -------------------------------------------------------------------------
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -389,12 +362,16 @@ class ModelRunner:
         else:
             self.backend.prepare(meta)
             # the model skips what only other rows need, unless prompts are scored (every row)
-            selected = not self.prompt_scored and len(logits_indices) < len(input_ids)
+            selected = not self.prompt_scorer and len(logits_indices) < len(input_ids)
             wanted = logits_indices if selected else None
             hidden = self.runtime.forward(
                 input_ids, positions, self.kv_caches, meta, self.backend, wanted
             )
-        prompt_logprobs = self._score_prompts(out, hidden) if self.prompt_scored else {}
+        prompt_logprobs = (
+            self.prompt_scorer.score(out, hidden, self._prompt_of, self.model.compute_logits)
+            if self.prompt_scorer
+            else {}
+        )
         sampling = [s for s in out.scheduled if s.will_sample]
         if not sampling:
             return RunnerOutput(prompt_logprobs=prompt_logprobs)
@@ -435,6 +412,10 @@ class ModelRunner:
             prompt_logprobs,
             tuple(grammar_done),
         )
+
+    def _prompt_of(self, request_id: str) -> tuple[list[int], int, int]:
+        info = self.infos[request_id]
+        return self.rows[request_id].token_ids, info.prompt_len, info.params.prompt_logprobs or 0
 
     def _sample(
         self, hidden: torch.Tensor, rows: list[SamplingRow]
@@ -492,52 +473,6 @@ class ModelRunner:
                 for i, lp in zip(picked, measured, strict=True):
                     logprobs[i] = lp
         return tokens, logprobs
-
-    def _score_prompts(
-        self, out: SchedulerOutput, hidden: torch.Tensor
-    ) -> dict[str, list[PositionLogprobs]]:
-        """Logprobs of the prompt tokens this step's positions predict, for requests with
-        prompt_logprobs. The logits at position p score token p + 1; the last prompt position
-        samples the first output token instead:
-
-            prompt      t0   t1   t2  ...  t[P-1] | out0
-            position    0    1    2   ...  P-1
-            scores      t1   t2   t3  ...  (samples out0)
-
-        A chunk [c, c + n) of the flat batch scores tokens c + 1 .. min(c + n, P - 1), those
-        not scored before (a recompute after preemption starts again at 0)."""
-        index: list[int] = []
-        targets: list[int] = []
-        owners: list[tuple[str, int]] = []  # (request, number of its rows in index)
-        start = 0
-        for s in out.scheduled:
-            rid, c = s.request_id, s.num_computed_tokens
-            scored = self.prompt_scored.get(rid)
-            if scored is not None:
-                lo = max(c, scored - 1)
-                hi = min(c + s.num_new_tokens, self.infos[rid].prompt_len - 1)
-                if lo < hi:
-                    index.extend(range(start + lo - c, start + hi - c))
-                    targets.extend(self.rows[rid].token_ids[lo + 1 : hi + 1])
-                    owners.append((rid, hi - lo))
-                    self.prompt_scored[rid] = hi + 1
-            start += s.num_new_tokens
-        if not index:
-            return {}
-        num_top = [
-            self.infos[rid].params.prompt_logprobs or 0 for rid, n in owners for _ in range(n)
-        ]
-        measured: list[PositionLogprobs] = []
-        for a in range(0, len(index), PROMPT_LOGITS_ROWS):
-            b = a + PROMPT_LOGITS_ROWS
-            logits = self.model.compute_logits(hidden[index[a:b]])
-            measured += position_logprobs(logits, targets[a:b], num_top[a:b])
-        result = {}
-        first = 0
-        for rid, n in owners:
-            result[rid] = measured[first : first + n]
-            first += n
-        return result
 
 
 def _draw_seed(generator: torch.Generator | None) -> int:

@@ -381,14 +381,14 @@ def test_json_object_is_any_compact_object(chat_model: Path) -> None:
 
 
 def test_run_wide_constraints_from_the_command_line(tmp_path: Path) -> None:
-    from cbgen.run_command import _structured_defaults
+    from cbgen.run_options import structured_defaults
 
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))
-    assert _structured_defaults(str(schema_file), None, None) == {"json": SCHEMA}
-    assert _structured_defaults(None, "a+", None) == {"regex": "a+"}
-    assert _structured_defaults(None, None, ["x", "y"]) == {"choice": ["x", "y"]}
-    assert _structured_defaults(None, None, None) is None
+    assert structured_defaults(str(schema_file), None, None) == {"json": SCHEMA}
+    assert structured_defaults(None, "a+", None) == {"regex": "a+"}
+    assert structured_defaults(None, None, ["x", "y"]) == {"choice": ["x", "y"]}
+    assert structured_defaults(None, None, None) is None
     (tmp_path / "list.json").write_text("[1]")
     for args, why in [
         ((str(tmp_path / "missing.json"), None, None), "--json-schema: cannot read"),
@@ -396,4 +396,4 @@ def test_run_wide_constraints_from_the_command_line(tmp_path: Path) -> None:
         ((str(schema_file), "a", None), "--json-schema and --regex: give one constraint"),
     ]:
         with pytest.raises(ValueError, match=re.escape(why)):
-            _structured_defaults(*args)
+            structured_defaults(*args)

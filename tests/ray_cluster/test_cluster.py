@@ -13,7 +13,7 @@ from helpers.cli import cli_env, tiny, write_jsonl
 
 from cbgen.config import EngineConfig
 from cbgen.ray.cluster import INSTALL_HINT, RayError, RayOptions, import_ray, place_engines
-from cbgen.run_command import bare_ray_flag
+from cbgen.run_options import bare_ray_flag
 
 
 def _nodes(*resources: dict[str, float], dead: int = 0) -> list[dict[str, Any]]:
