@@ -162,14 +162,17 @@ def test_what_cannot_be_packed_or_multiplied_says_so() -> None:
 @pytest.mark.usefixtures("each_build")
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, None), (None, 5.0)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (9, 3), (7, 1), (3, 3)])
 def test_decode_attention_over_a_bf16_cache_is_the_float32_kernel_on_its_values(
-    head_dim: int, window: int | None, softcap: float | None
+    head_dim: int, window: int | None, softcap: float | None, heads: int, kv_heads: int
 ) -> None:
     """Each element widened as it is read: the float32 kernel's bits on the widened cache, for
-    the head sizes with vector paths (64, 128) and the generic one (80)."""
+    the head sizes with vector paths (64, 128) and the generic one (80), and query heads per KV
+    head of 4, 3, 7 and 1 (the bf16 kernel takes a KV head's query heads together, up to four
+    at a time for size 64 and two for 128: whole groups and remainders)."""
     g = torch.Generator().manual_seed(head_dim)
-    cache = torch.randn(2, 40, 16, 2, head_dim, generator=g).to(torch.bfloat16)
-    query = torch.randn(5, 8, head_dim, generator=g)
+    cache = torch.randn(2, 40, 16, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    query = torch.randn(5, heads, head_dim, generator=g)
     table = torch.randint(0, 40, (5, 6), dtype=torch.int32, generator=g)
     lens = torch.tensor([1, 17, 50, 96, 33], dtype=torch.int32)
     got = kernels.paged_decode_f32(query, cache, table, lens, 0.1, window, softcap)

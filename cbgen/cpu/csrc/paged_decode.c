@@ -132,6 +132,7 @@ static inline __m512 widen16(const uint16_t *p) {
 #define TOF(x) (x)
 #define LINE 16
 #define KERNEL_NAME cbgen_paged_decode_f32
+#define GROUPED 0
 #include "paged_decode_kv.h"
 #undef KV_T
 #undef KVSUF
@@ -140,6 +141,7 @@ static inline __m512 widen16(const uint16_t *p) {
 #undef TOF
 #undef LINE
 #undef KERNEL_NAME
+#undef GROUPED
 
 #define KV_T uint16_t
 #define KVSUF bf16
@@ -148,4 +150,5 @@ static inline __m512 widen16(const uint16_t *p) {
 #define TOF(x) bf16_to_f32(x)
 #define LINE 32
 #define KERNEL_NAME cbgen_paged_decode_bf16kv
+#define GROUPED 1
 #include "paged_decode_kv.h"

@@ -3,7 +3,11 @@
  * vectors), TOF (one element as a float), LINE (elements per cache line) and KERNEL_NAME
  * defined. The float32 instance is the kernel as it was written for float32; the bf16 one
  * widens each element to float32 as it is loaded (a bf16 is the top half of a float32), so
- * its arithmetic is the float32 kernel's on the widened values, from half the bytes. */
+ * its arithmetic is the float32 kernel's on the widened values, from half the bytes.
+ * GROUPED (the bf16 instance): with AVX-512, head sizes 64 and 128, a block's K and V rows are
+ * loaded and widened once for all the query heads of their KV head rather than once a query
+ * head, each head's operations unchanged (the same bits); where the loads fold into the FMAs
+ * (float32) the grouping measured no faster. */
 
 /* Written in eight-float vectors (not left to the vectoriser) so that both instances sum in
  * the same order: the bf16 one gives the float32 one's bits on the widened cache. */
@@ -114,20 +118,6 @@ static inline void FN(qk16_d64)(const float *qh, const KV_T *k0, int64_t tok_str
 }
 #endif
 
-/* Scores of one block's nt tokens against one query head. */
-static inline void FN(qk_block)(const float *qh, const KV_T *k0, int64_t tok_stride, int64_t nt,
-                            int64_t D, float scale, float *dst, float *mx) {
-    int64_t t = 0;
-#if defined(__AVX512F__)
-    if (D == 64)
-        for (; t + 16 <= nt; t += 16) FN(qk16_d64)(qh, k0 + t * tok_stride, tok_stride, scale, dst + t, mx);
-#endif
-    if (t == nt) return;
-    if (D == 64) FN(qk_rows_8)(qh, k0 + t * tok_stride, tok_stride, nt - t, scale, dst + t, mx);
-    else if (D == 128) FN(qk_rows_16)(qh, k0 + t * tok_stride, tok_stride, nt - t, scale, dst + t, mx);
-    else FN(qk_rows_any)(qh, k0 + t * tok_stride, tok_stride, nt - t, D, scale, dst + t, mx);
-}
-
 /* The blocks an item reads, in order: K blocks, V blocks, then the next item's first K
  * blocks. Prefetching walks this sequence `AHEAD` blocks in front of the reads. */
 typedef struct {
@@ -155,6 +145,161 @@ static inline void FN(prefetch_some)(FN(prefetcher) *pf) {
     const int64_t end = pf->done + pf->slice < pf->blk_stride ? pf->done + pf->slice : pf->blk_stride;
     for (; pf->done < end; pf->done += LINE) __builtin_prefetch(pf->cur + pf->done, 0, 1);
 }
+
+#if GROUPED && defined(__AVX512F__)
+/* Scores of 16 tokens against GC (<= 4) query heads of one KV head, head size 64: each token's
+ * K row is loaded (and widened) once for all GC heads, and each head's arithmetic is
+ * qk16_d64's, the same operations in the same order (the same bits). */
+static inline __attribute__((always_inline)) void FN(qk16_d64_heads)(
+    const int GC, const float *qh, const KV_T *k0, int64_t tok_stride, float scale, float *dst,
+    int64_t L, float *mx, FN(prefetcher) *pf) {
+    __m512 q[4][4], c[4][4];
+    for (int g = 0; g < GC; ++g)
+        for (int i = 0; i < 4; ++i) q[g][i] = _mm512_loadu_ps(qh + g * 64 + 16 * i);
+    for (int quad = 0; quad < 4; ++quad) {
+        __m512 a[4][4];
+        for (int u = 0; u < 4; ++u) {
+            const KV_T *r = k0 + (quad * 4 + u) * tok_stride;
+            const __m512 k_0 = LOAD16(r), k_1 = LOAD16(r + 16);
+            const __m512 k_2 = LOAD16(r + 32), k_3 = LOAD16(r + 48);
+            for (int g = 0; g < GC; ++g) {
+                __m512 x = _mm512_mul_ps(q[g][0], k_0);
+                x = _mm512_fmadd_ps(q[g][1], k_1, x);
+                x = _mm512_fmadd_ps(q[g][2], k_2, x);
+                a[g][u] = _mm512_fmadd_ps(q[g][3], k_3, x);
+            }
+        }
+        for (int g = 0; g < GC; ++g) { /* qk16_d64's pairs, then quads: tokens 4 quad .. + 3 */
+            const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a[g][0], a[g][1]),
+                                            _mm512_unpackhi_ps(a[g][0], a[g][1]));
+            const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a[g][2], a[g][3]),
+                                            _mm512_unpackhi_ps(a[g][2], a[g][3]));
+            const __m512d x = _mm512_castps_pd(b0), y = _mm512_castps_pd(b1);
+            c[g][quad] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+        }
+        FN(prefetch_some)(pf);
+    }
+    for (int g = 0; g < GC; ++g) {
+        const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[g][0], c[g][1], 0x88),
+                                        _mm512_shuffle_f32x4(c[g][0], c[g][1], 0xdd));
+        const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[g][2], c[g][3], 0x88),
+                                        _mm512_shuffle_f32x4(c[g][2], c[g][3], 0xdd));
+        __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88),
+                                 _mm512_shuffle_f32x4(d0, d1, 0xdd));
+        r = _mm512_mul_ps(r, _mm512_set1_ps(scale));
+        _mm512_storeu_ps(dst + g * L, r);
+        const float m = _mm512_reduce_max_ps(r);
+        if (m > mx[g]) mx[g] = m;
+    }
+}
+
+/* acc_g += sum_t p_g[t] * v_t for GC heads (p_g = p + g L, acc_g = acc + g 16 C), head size
+ * 16 C: each V row loaded (and widened) once for all GC heads; per head and element the FMAs
+ * of pv_rows_*, in token order (the same bits). */
+static inline __attribute__((always_inline)) void FN(pv_heads)(
+    const int C, const int GC, const float *p, int64_t L, const KV_T *v0, int64_t tok_stride,
+    int64_t nt, float *acc, FN(prefetcher) *pf) {
+    __m512 a[4][8];
+    for (int g = 0; g < GC; ++g)
+        for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * 16 * C + 16 * c);
+    for (int64_t t = 0; t < nt; ++t) {
+        const KV_T *r = v0 + t * tok_stride;
+        __m512 v[8];
+        for (int c = 0; c < C; ++c) v[c] = LOAD16(r + 16 * c);
+        for (int g = 0; g < GC; ++g) {
+            const __m512 pt = _mm512_set1_ps(p[g * L + t]);
+            for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pt, v[c], a[g][c]);
+        }
+        if ((t & 3) == 3) FN(prefetch_some)(pf);
+    }
+    for (int g = 0; g < GC; ++g)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * 16 * C + 16 * c, a[g][c]);
+}
+#endif
+
+/* Scores of one block's nt tokens against one query head. */
+static inline void FN(qk_block)(const float *qh, const KV_T *k0, int64_t tok_stride, int64_t nt,
+                            int64_t D, float scale, float *dst, float *mx) {
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    if (D == 64)
+        for (; t + 16 <= nt; t += 16) FN(qk16_d64)(qh, k0 + t * tok_stride, tok_stride, scale, dst + t, mx);
+#endif
+    if (t == nt) return;
+    if (D == 64) FN(qk_rows_8)(qh, k0 + t * tok_stride, tok_stride, nt - t, scale, dst + t, mx);
+    else if (D == 128) FN(qk_rows_16)(qh, k0 + t * tok_stride, tok_stride, nt - t, scale, dst + t, mx);
+    else FN(qk_rows_any)(qh, k0 + t * tok_stride, tok_stride, nt - t, D, scale, dst + t, mx);
+}
+
+#if GROUPED
+/* Scores of one block's nt tokens against the G query heads of one KV head (head g's at
+ * dst + g L, its running maximum mx[g]); each head's bits are qk_block's. */
+static inline void FN(qk_block_heads)(const float *qh, int64_t G, const KV_T *k0,
+                                      int64_t tok_stride, int64_t nt, int64_t D, float scale,
+                                      float *dst, int64_t L, float *mx, FN(prefetcher) *pf) {
+#if defined(__AVX512F__)
+    if (D == 64 && nt >= 16) {
+        int64_t t = 0;
+        for (; t + 16 <= nt; t += 16)
+            for (int64_t g = 0; g < G; g += 4) {
+                const float *qg = qh + g * D;
+                const KV_T *kt = k0 + t * tok_stride;
+                float *dg = dst + g * L + t;
+                switch (G - g < 4 ? G - g : 4) {
+                case 1: FN(qk16_d64_heads)(1, qg, kt, tok_stride, scale, dg, L, mx + g, pf); break;
+                case 2: FN(qk16_d64_heads)(2, qg, kt, tok_stride, scale, dg, L, mx + g, pf); break;
+                case 3: FN(qk16_d64_heads)(3, qg, kt, tok_stride, scale, dg, L, mx + g, pf); break;
+                default: FN(qk16_d64_heads)(4, qg, kt, tok_stride, scale, dg, L, mx + g, pf); break;
+                }
+            }
+        if (t < nt)
+            for (int64_t g = 0; g < G; ++g)
+                FN(qk_rows_8)(qh + g * D, k0 + t * tok_stride, tok_stride, nt - t, scale,
+                              dst + g * L + t, mx + g);
+        return;
+    }
+#endif
+    for (int i = 0; i < 4; ++i) FN(prefetch_some)(pf);
+    for (int64_t g = 0; g < G; ++g)
+        FN(qk_block)(qh + g * D, k0, tok_stride, nt, D, scale, dst + g * L, mx + g);
+}
+
+/* acc_g += sum_t p_g[t] * v_t over one block's nt rows for the G query heads of one KV head
+ * (p_g = p + g L, acc_g = acc + g D); each head's bits are pv_rows_*'s. */
+static inline void FN(pv_block_heads)(const float *p, int64_t G, int64_t L, const KV_T *v0,
+                                      int64_t tok_stride, int64_t nt, int64_t D, float *acc,
+                                      FN(prefetcher) *pf) {
+#if defined(__AVX512F__)
+    if (D == 64) {
+        for (int64_t g = 0; g < G; g += 4) {
+            const float *pg = p + g * L;
+            float *ag = acc + g * D;
+            switch (G - g < 4 ? G - g : 4) {
+            case 1: FN(pv_heads)(4, 1, pg, L, v0, tok_stride, nt, ag, pf); break;
+            case 2: FN(pv_heads)(4, 2, pg, L, v0, tok_stride, nt, ag, pf); break;
+            case 3: FN(pv_heads)(4, 3, pg, L, v0, tok_stride, nt, ag, pf); break;
+            default: FN(pv_heads)(4, 4, pg, L, v0, tok_stride, nt, ag, pf); break;
+            }
+        }
+        return;
+    }
+    if (D == 128) {
+        for (int64_t g = 0; g < G; g += 2) {
+            if (G - g == 1) FN(pv_heads)(8, 1, p + g * L, L, v0, tok_stride, nt, acc + g * D, pf);
+            else FN(pv_heads)(8, 2, p + g * L, L, v0, tok_stride, nt, acc + g * D, pf);
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < 4; ++i) FN(prefetch_some)(pf);
+    for (int64_t g = 0; g < G; ++g) {
+        if (D == 64) FN(pv_rows_8)(p + g * L, v0, tok_stride, nt, acc + g * D);
+        else if (D == 128) FN(pv_rows_16)(p + g * L, v0, tok_stride, nt, acc + g * D);
+        else FN(pv_rows_any)(p + g * L, v0, tok_stride, nt, D, acc + g * D);
+    }
+}
+#endif
 
 int KERNEL_NAME(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,
                            const int32_t *block_table, int64_t bt_stride,
@@ -205,7 +350,9 @@ int KERNEL_NAME(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_
             const float *qb = q + b * q_stride + h0 * G * D;
             float m[MAX_HEADS];
             FN(prefetcher) pf = {k_cache, v_cache, bt, NULL, nblk, 0, blk_stride, NULL, 0, 0};
-            pf.slice = (blk_stride / nh + LINE - 1) / LINE * LINE; /* a block per pass over the heads */
+            /* a block per pass over the heads: four slices a KV head (grouped), else one a
+             * query head */
+            pf.slice = (blk_stride / (GROUPED ? 4 * (h1 - h0) : nh) + LINE - 1) / LINE * LINE;
             if (w_next < items) {
                 const int64_t bn = w_next / splits;
                 const int64_t jn = first_key(seq_lens[bn], window) / bs;
@@ -220,13 +367,19 @@ int KERNEL_NAME(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_
                 const int64_t lo = j ? 0 : k0 - base, hi = end - base < bs ? end - base : bs;
                 const KV_T *blk = k_cache + (int64_t)bt[j] * blk_stride + lo * tok_stride;
                 FN(prefetch_target)(&pf, j);
-                for (int64_t hk = h0; hk < h1; ++hk)
+                for (int64_t hk = h0; hk < h1; ++hk) {
+                    const int64_t h = (hk - h0) * G; /* the KV head's first query head */
+#if GROUPED
+                    FN(qk_block_heads)(qb + h * D, G, blk + hk * D, tok_stride, hi - lo, D, scale,
+                                       scores + h * L + base + lo - k0, L, m + h, &pf);
+#else
                     for (int64_t g = 0; g < G; ++g) {
-                        const int64_t h = (hk - h0) * G + g;
                         FN(prefetch_some)(&pf);
-                        FN(qk_block)(qb + h * D, blk + hk * D, tok_stride, hi - lo, D, scale,
-                                 scores + h * L + base + lo - k0, m + h);
+                        FN(qk_block)(qb + (h + g) * D, blk + hk * D, tok_stride, hi - lo, D, scale,
+                                     scores + (h + g) * L + base + lo - k0, m + h + g);
                     }
+#endif
+                }
             }
             if (softcap > 0.0f)
                 for (int64_t h = 0; h < nh; ++h)
@@ -240,16 +393,23 @@ int KERNEL_NAME(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_
                 const int64_t nt = hi - lo;
                 const KV_T *blk = v_cache + (int64_t)bt[j] * blk_stride + lo * tok_stride;
                 FN(prefetch_target)(&pf, nblk + j);
-                for (int64_t hk = h0; hk < h1; ++hk)
+                for (int64_t hk = h0; hk < h1; ++hk) {
+                    const int64_t h = (hk - h0) * G;
+#if GROUPED
+                    FN(pv_block_heads)(scores + h * L + base + lo - k0, G, L, blk + hk * D,
+                                       tok_stride, nt, D, acc + h * D, &pf);
+#else
                     for (int64_t g = 0; g < G; ++g) {
-                        const int64_t h = (hk - h0) * G + g;
-                        const float *p = scores + h * L + base + lo - k0;
+                        const float *p = scores + (h + g) * L + base + lo - k0;
                         const KV_T *v0 = blk + hk * D;
+                        float *a = acc + (h + g) * D;
                         FN(prefetch_some)(&pf);
-                        if (D == 64) FN(pv_rows_8)(p, v0, tok_stride, nt, acc + h * D);
-                        else if (D == 128) FN(pv_rows_16)(p, v0, tok_stride, nt, acc + h * D);
-                        else FN(pv_rows_any)(p, v0, tok_stride, nt, D, acc + h * D);
+                        if (D == 64) FN(pv_rows_8)(p, v0, tok_stride, nt, a);
+                        else if (D == 128) FN(pv_rows_16)(p, v0, tok_stride, nt, a);
+                        else FN(pv_rows_any)(p, v0, tok_stride, nt, D, a);
                     }
+#endif
+                }
             }
             float *ob = out + (b * H + h0 * G) * D;
             for (int64_t h = 0; h < nh; ++h) {
