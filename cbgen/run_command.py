@@ -5,7 +5,7 @@ environment does not configure.
 Engine options map one to one onto EngineConfig fields and sampling options onto
 SamplingParams fields (a row's own fields override them); the defaults shown by --help are
 read from those dataclasses. Environment variables (Slurm's array variables,
-CUDA_VISIBLE_DEVICES) are read here and nowhere below. The work itself is cbgen.io.session;
+CUDA_VISIBLE_DEVICES) are read here and in cbgen.run_options, nowhere below. The work itself is cbgen.io.session;
 under --ray, engines on a Ray cluster generate (cbgen.ray.driver) while this process still
 reads, writes, locks and resumes. Option values that need reading or resolving (files, JSON,
 the shard, Ray's options) are cbgen.run_options'.
