@@ -82,6 +82,38 @@ def test_bf16_dot_products_give_the_bits_of_the_instruction(m: int, n: int, k: i
 
 
 @pytest.mark.usefixtures("each_build")
+@pytest.mark.parametrize("k", [64, 45])
+def test_bf16_dot_products_round_x_to_even_as_torch_does(k: int) -> None:
+    """x's rows are rounded to bf16 before the dot products: every value here is a tie (half a
+    bf16 step above one, to even up or down), or overflows to infinity; an identity weight
+    hands back each rounded value. k = 45: the last 13 values and an odd last pair take the
+    scalar tail after the vector loop; a NaN stays a NaN."""
+    if not bf16.native():
+        pytest.skip("no AVX512_BF16 in this build: the dot path is not compiled")
+    g = torch.Generator().manual_seed(k)
+    steps = torch.arange(2 * k * 3, dtype=torch.float64).view(3, 2 * k)[:, :k] % 128
+    exponent = torch.randint(-20, 20, (3, k), generator=g).double()
+    sign = torch.randint(0, 2, (3, k), generator=g).double() * 2 - 1
+    x = (sign * 2.0**exponent * (1 + (2 * steps + 1) * 2.0**-8)).float()
+    x[1, 3] = 3.4e38  # rounds past bf16's largest finite value: infinity, as in torch
+    weight = torch.eye(64, k).to(torch.bfloat16)
+    panels = bf16.pack_panels_bf16(weight)
+    assert panels is not None
+    got = bf16.small_gemm_bf16(x, panels, k, None, dot=True)
+    assert got is not None
+    # row 1's infinity times the weight's zeros is NaN in its other columns, in both
+    with np.errstate(invalid="ignore"):
+        want = vdpbf16ps_reference(x, weight)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    rows = [0, 2]
+    assert torch.equal(got[rows, :k], x[rows].to(torch.bfloat16).float())
+    assert got[1, 3] == float("inf")
+    x[2, 40] = float("nan")
+    got = bf16.small_gemm_bf16(x, panels, k, None, dot=True)
+    assert got is not None and got[2].isnan().all() and not got[0].isnan().any()
+
+
+@pytest.mark.usefixtures("each_build")
 @pytest.mark.parametrize(("m", "n", "k"), [(300, 64, 577), (17, 96, 64), (700, 32, 1536)])
 def test_widened_tall_batches_through_row_blocks_give_the_same_bits(m: int, n: int, k: int) -> None:
     """Widened, prompt-sized rows go through small_gemm's row blocks, each bf16 panel widened
