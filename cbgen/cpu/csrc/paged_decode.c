@@ -123,6 +123,28 @@ static inline __m512 widen16(const uint16_t *p) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+/* The transposing reduction of qk16_d64 (both instances, grouped or not): four tokens' 16-wide
+ * partial sums a0..a3 to their four sums in every 128-bit lane (pairs, then quads). */
+static inline __m512 quad_sums(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512d x = _mm512_castps_pd(b0), y = _mm512_castps_pd(b1);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+/* ... and its end: the four 128-bit lanes of c[0..3] added (token t in lane t), scaled, stored
+ * to dst[0..16), the running maximum *mx raised. */
+static inline void scores16(const __m512 c[4], float scale, float *dst, float *mx) {
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
+    r = _mm512_mul_ps(r, _mm512_set1_ps(scale));
+    _mm512_storeu_ps(dst, r);
+    const float m = _mm512_reduce_max_ps(r);
+    if (m > *mx) *mx = m;
+}
 #endif
 
 #define KV_T float

@@ -91,7 +91,7 @@ static inline void FN(qk16_d64)(const float *qh, const KV_T *k0, int64_t tok_str
                             float *dst, float *mx) {
     const __m512 q0 = _mm512_loadu_ps(qh), q1 = _mm512_loadu_ps(qh + 16);
     const __m512 q2 = _mm512_loadu_ps(qh + 32), q3 = _mm512_loadu_ps(qh + 48);
-    __m512 a[16], b[8], c[4];
+    __m512 a[16], c[4];
     for (int t = 0; t < 16; ++t) {
         const KV_T *r = k0 + t * tok_stride;
         __m512 x = _mm512_mul_ps(q0, LOAD16(r));
@@ -99,22 +99,8 @@ static inline void FN(qk16_d64)(const float *qh, const KV_T *k0, int64_t tok_str
         x = _mm512_fmadd_ps(q2, LOAD16(r + 32), x);
         a[t] = _mm512_fmadd_ps(q3, LOAD16(r + 48), x);
     }
-    for (int i = 0; i < 8; ++i) /* pairs of tokens: lanes (t, t+1, t, t+1) per 128 bits */
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) { /* quads: tokens 4i..4i+3 in every 128-bit lane */
-        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    /* add the four 128-bit lanes: token t ends up in lane t */
-    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
-    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
-    __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
-    r = _mm512_mul_ps(r, _mm512_set1_ps(scale));
-    _mm512_storeu_ps(dst, r);
-    const float m = _mm512_reduce_max_ps(r);
-    if (m > *mx) *mx = m;
+    for (int i = 0; i < 4; ++i) c[i] = quad_sums(a[4 * i], a[4 * i + 1], a[4 * i + 2], a[4 * i + 3]);
+    scores16(c, scale, dst, mx);
 }
 #endif
 
@@ -169,29 +155,10 @@ static inline __attribute__((always_inline)) void FN(qk16_d64_heads)(
                 a[g][u] = _mm512_fmadd_ps(q[g][3], k_3, x);
             }
         }
-        for (int g = 0; g < GC; ++g) { /* qk16_d64's pairs, then quads: tokens 4 quad .. + 3 */
-            const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a[g][0], a[g][1]),
-                                            _mm512_unpackhi_ps(a[g][0], a[g][1]));
-            const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a[g][2], a[g][3]),
-                                            _mm512_unpackhi_ps(a[g][2], a[g][3]));
-            const __m512d x = _mm512_castps_pd(b0), y = _mm512_castps_pd(b1);
-            c[g][quad] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-        }
+        for (int g = 0; g < GC; ++g) c[g][quad] = quad_sums(a[g][0], a[g][1], a[g][2], a[g][3]);
         FN(prefetch_some)(pf);
     }
-    for (int g = 0; g < GC; ++g) {
-        const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[g][0], c[g][1], 0x88),
-                                        _mm512_shuffle_f32x4(c[g][0], c[g][1], 0xdd));
-        const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[g][2], c[g][3], 0x88),
-                                        _mm512_shuffle_f32x4(c[g][2], c[g][3], 0xdd));
-        __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88),
-                                 _mm512_shuffle_f32x4(d0, d1, 0xdd));
-        r = _mm512_mul_ps(r, _mm512_set1_ps(scale));
-        _mm512_storeu_ps(dst + g * L, r);
-        const float m = _mm512_reduce_max_ps(r);
-        if (m > mx[g]) mx[g] = m;
-    }
+    for (int g = 0; g < GC; ++g) scores16(c[g], scale, dst + g * L, mx + g);
 }
 
 /* acc_g += sum_t p_g[t] * v_t for GC heads (p_g = p + g L, acc_g = acc + g 16 C), head size
@@ -232,13 +199,20 @@ static inline void FN(qk_block)(const float *qh, const KV_T *k0, int64_t tok_str
     else FN(qk_rows_any)(qh, k0 + t * tok_stride, tok_stride, nt - t, D, scale, dst + t, mx);
 }
 
-#if GROUPED
+/* acc += sum_t p[t] * v_t over one block's nt rows, one query head. */
+static inline void FN(pv_block)(const float *p, const KV_T *v0, int64_t tok_stride, int64_t nt,
+                                int64_t D, float *acc) {
+    if (D == 64) FN(pv_rows_8)(p, v0, tok_stride, nt, acc);
+    else if (D == 128) FN(pv_rows_16)(p, v0, tok_stride, nt, acc);
+    else FN(pv_rows_any)(p, v0, tok_stride, nt, D, acc);
+}
+
 /* Scores of one block's nt tokens against the G query heads of one KV head (head g's at
  * dst + g L, its running maximum mx[g]); each head's bits are qk_block's. */
 static inline void FN(qk_block_heads)(const float *qh, int64_t G, const KV_T *k0,
                                       int64_t tok_stride, int64_t nt, int64_t D, float scale,
                                       float *dst, int64_t L, float *mx, FN(prefetcher) *pf) {
-#if defined(__AVX512F__)
+#if GROUPED && defined(__AVX512F__)
     if (D == 64 && nt >= 16) {
         int64_t t = 0;
         for (; t + 16 <= nt; t += 16)
@@ -260,9 +234,13 @@ static inline void FN(qk_block_heads)(const float *qh, int64_t G, const KV_T *k0
         return;
     }
 #endif
-    for (int i = 0; i < 4; ++i) FN(prefetch_some)(pf);
-    for (int64_t g = 0; g < G; ++g)
+    /* head by head: a prefetch slice a query head, or (grouped) the KV head's four at once */
+    if (GROUPED)
+        for (int i = 0; i < 4; ++i) FN(prefetch_some)(pf);
+    for (int64_t g = 0; g < G; ++g) {
+        if (!GROUPED) FN(prefetch_some)(pf);
         FN(qk_block)(qh + g * D, k0, tok_stride, nt, D, scale, dst + g * L, mx + g);
+    }
 }
 
 /* acc_g += sum_t p_g[t] * v_t over one block's nt rows for the G query heads of one KV head
@@ -270,7 +248,7 @@ static inline void FN(qk_block_heads)(const float *qh, int64_t G, const KV_T *k0
 static inline void FN(pv_block_heads)(const float *p, int64_t G, int64_t L, const KV_T *v0,
                                       int64_t tok_stride, int64_t nt, int64_t D, float *acc,
                                       FN(prefetcher) *pf) {
-#if defined(__AVX512F__)
+#if GROUPED && defined(__AVX512F__)
     if (D == 64) {
         for (int64_t g = 0; g < G; g += 4) {
             const float *pg = p + g * L;
@@ -292,14 +270,13 @@ static inline void FN(pv_block_heads)(const float *p, int64_t G, int64_t L, cons
         return;
     }
 #endif
-    for (int i = 0; i < 4; ++i) FN(prefetch_some)(pf);
+    if (GROUPED)
+        for (int i = 0; i < 4; ++i) FN(prefetch_some)(pf);
     for (int64_t g = 0; g < G; ++g) {
-        if (D == 64) FN(pv_rows_8)(p + g * L, v0, tok_stride, nt, acc + g * D);
-        else if (D == 128) FN(pv_rows_16)(p + g * L, v0, tok_stride, nt, acc + g * D);
-        else FN(pv_rows_any)(p + g * L, v0, tok_stride, nt, D, acc + g * D);
+        if (!GROUPED) FN(prefetch_some)(pf);
+        FN(pv_block)(p + g * L, v0, tok_stride, nt, D, acc + g * D);
     }
 }
-#endif
 
 int KERNEL_NAME(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,
                            const int32_t *block_table, int64_t bt_stride,
@@ -369,16 +346,8 @@ int KERNEL_NAME(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_
                 FN(prefetch_target)(&pf, j);
                 for (int64_t hk = h0; hk < h1; ++hk) {
                     const int64_t h = (hk - h0) * G; /* the KV head's first query head */
-#if GROUPED
                     FN(qk_block_heads)(qb + h * D, G, blk + hk * D, tok_stride, hi - lo, D, scale,
                                        scores + h * L + base + lo - k0, L, m + h, &pf);
-#else
-                    for (int64_t g = 0; g < G; ++g) {
-                        FN(prefetch_some)(&pf);
-                        FN(qk_block)(qb + (h + g) * D, blk + hk * D, tok_stride, hi - lo, D, scale,
-                                     scores + (h + g) * L + base + lo - k0, m + h + g);
-                    }
-#endif
                 }
             }
             if (softcap > 0.0f)
@@ -395,20 +364,8 @@ int KERNEL_NAME(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_
                 FN(prefetch_target)(&pf, nblk + j);
                 for (int64_t hk = h0; hk < h1; ++hk) {
                     const int64_t h = (hk - h0) * G;
-#if GROUPED
                     FN(pv_block_heads)(scores + h * L + base + lo - k0, G, L, blk + hk * D,
                                        tok_stride, nt, D, acc + h * D, &pf);
-#else
-                    for (int64_t g = 0; g < G; ++g) {
-                        const float *p = scores + (h + g) * L + base + lo - k0;
-                        const KV_T *v0 = blk + hk * D;
-                        float *a = acc + (h + g) * D;
-                        FN(prefetch_some)(&pf);
-                        if (D == 64) FN(pv_rows_8)(p, v0, tok_stride, nt, a);
-                        else if (D == 128) FN(pv_rows_16)(p, v0, tok_stride, nt, a);
-                        else FN(pv_rows_any)(p, v0, tok_stride, nt, D, a);
-                    }
-#endif
                 }
             }
             float *ob = out + (b * H + h0 * G) * D;
