@@ -48,7 +48,6 @@ from cbgen.cpu.features import cpu_info
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_DIR = Path.home() / ".cache" / "cbgen" / "SmolLM2-135M-Instruct-f32"
 SYSTEMS = ("cbgen", "cbgen-float", "llama.cpp", "hf-static", "hf-cb", "vllm", "vllm-default")
 """cbgen runs the GGUF file as cbgen does by default (its quantized tensors in their own types),
 cbgen-float the same file's float path (--dequantize), llama.cpp the same file; transformers and
@@ -190,9 +189,41 @@ def run_worker(
     }
 
 
+SOURCE_RECORD = "cbgen_source.json"
+"""Written into a converted folder: the GGUF it was made from (name and size)."""
+
+
+def default_model_dir(gguf: Path) -> Path:
+    """The converted folder of one GGUF file: one folder per file, so a run on another file
+    never reads this one's weights."""
+    return Path.home() / ".cache" / "cbgen" / "peers" / f"{gguf.stem}-f32"
+
+
 def ensure_model_dir(gguf: Path, model_dir: Path, env: dict[str, str]) -> None:
+    """Convert gguf into model_dir (fp32 safetensors) unless the folder already holds it.
+
+    A folder this tool converted records its GGUF; one converted from another file (or the
+    same name at another size) is converted again. A folder without the record is the
+    user's own and is read as it is."""
+    source = {"gguf": gguf.name, "bytes": gguf.stat().st_size}
+    record = model_dir / SOURCE_RECORD
     if (model_dir / "config.json").is_file():
-        return
+        if not record.is_file():
+            print(
+                f"{model_dir}: not converted by this tool, read as it is "
+                f"(transformers and vLLM run it, not necessarily {gguf.name})",
+                file=sys.stderr,
+            )
+            return
+        made_from = json.loads(record.read_text())
+        if made_from == source:
+            return
+        print(
+            f"{model_dir} was converted from {made_from.get('gguf')} "
+            f"({made_from.get('bytes')} bytes), not {gguf.name}: converting again",
+            file=sys.stderr,
+        )
+        shutil.rmtree(model_dir)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     print(f"converting {gguf.name} -> {model_dir} (fp32 safetensors)", file=sys.stderr)
     subprocess.run(
@@ -201,6 +232,7 @@ def ensure_model_dir(gguf: Path, model_dir: Path, env: dict[str, str]) -> None:
         cwd=REPO_ROOT,
         check=True,
     )
+    record.write_text(json.dumps(source) + "\n")
 
 
 def build_workload(model_dir: Path, args: argparse.Namespace, path: Path) -> dict[str, int]:
@@ -408,8 +440,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--model-dir",
         type=Path,
-        default=DEFAULT_MODEL_DIR,
-        help="converted fp32 safetensors folder (made if missing)",
+        default=None,
+        help="fp32 safetensors folder that transformers and vLLM read (default: the GGUF's own "
+        "folder under ~/.cache/cbgen/peers, converted from it when missing or made from another "
+        "file)",
     )
     p.add_argument(
         "--cbgen-model",
@@ -514,7 +548,9 @@ def main(argv: list[str] | None = None) -> None:
     # the safetensors folder: the tokenizer the workload is built with, the weights transformers
     # and vLLM read (cbgen and llama.cpp read the GGUF)
     if args.workload is None or any(k.startswith(("hf-", "vllm")) for k in keys):
-        ensure_model_dir(args.gguf or default_gguf(), args.model_dir, env)
+        gguf = args.gguf or default_gguf()
+        args.model_dir = args.model_dir or default_model_dir(gguf)
+        ensure_model_dir(gguf, args.model_dir, env)
     workload = work / "workload.json"
     if args.workload is None:
         w = build_workload(args.model_dir, args, workload)

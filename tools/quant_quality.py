@@ -250,8 +250,9 @@ def chat_workload(work: Path) -> Path:
     from tools import compare_peers
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    model_dir = compare_peers.DEFAULT_MODEL_DIR
-    compare_peers.ensure_model_dir(compare_peers.default_gguf(), model_dir, env)
+    gguf = compare_peers.default_gguf()
+    model_dir = compare_peers.default_model_dir(gguf)
+    compare_peers.ensure_model_dir(gguf, model_dir, env)
     requests, min_len, max_len, max_out = compare_peers.WORKLOADS["chat"][:4]
     args = argparse.Namespace(
         num_requests=requests,

@@ -77,6 +77,42 @@ def test_attention_flops_count_each_positions_causal_keys_within_its_layers_wind
     assert two == 4 * (10 + 1)  # a one-token prompt with one output token: one position
 
 
+def test_peer_model_folder_is_converted_again_when_made_from_another_gguf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The converted folder records its GGUF: a run on another file must not read this one's
+    weights (a 1B file's folder once fed vLLM in a SmolLM2 run), a user's own folder is left."""
+    converted: list[str] = []
+
+    def fake_convert(cmd: list[str], **_: object) -> None:  # hf_worker convert GGUF OUT
+        gguf, out = Path(cmd[-2]), Path(cmd[-1])
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"from": gguf.name}))
+        converted.append(gguf.name)
+
+    monkeypatch.setattr(compare_peers.subprocess, "run", fake_convert)
+    small, big = tmp_path / "small.gguf", tmp_path / "big.gguf"
+    small.write_bytes(b"1" * 10)
+    big.write_bytes(b"2" * 20)
+    folder = tmp_path / "peers" / "model-f32"
+
+    def made_from() -> str:
+        return json.loads((folder / "config.json").read_text())["from"]
+
+    compare_peers.ensure_model_dir(small, folder, {})
+    compare_peers.ensure_model_dir(small, folder, {})  # the same file: kept
+    assert converted == ["small.gguf"] and made_from() == "small.gguf"
+    compare_peers.ensure_model_dir(big, folder, {})
+    assert converted == ["small.gguf", "big.gguf"] and made_from() == "big.gguf"
+    small.write_bytes(b"1" * 11)  # the same name, another file
+    compare_peers.ensure_model_dir(small, folder, {})
+    assert converted[-1] == "small.gguf" and made_from() == "small.gguf"
+    (folder / compare_peers.SOURCE_RECORD).unlink()  # a folder the user made
+    compare_peers.ensure_model_dir(big, folder, {})
+    assert len(converted) == 3 and made_from() == "small.gguf"
+    assert compare_peers.default_model_dir(small) != compare_peers.default_model_dir(big)
+
+
 def run_compare_peers(tmp_path: Path, model_dir: Path, systems: str, *extra: str) -> dict:
     compare_peers.main(
         [
